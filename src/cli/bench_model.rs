@@ -1,0 +1,144 @@
+//! `tokenrouter bench-model`: prefill and decode tokens/s per batch size, next to the batch-1
+//! decode roofline (bytes of weights a decode step streams ÷ memory read bandwidth measured in
+//! the same run).
+
+use std::time::Instant;
+
+use clap::Args;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+use tokenrouter::model::runner::{logits_row, step, Sequence};
+use tokenrouter::model::sampler::argmax;
+use tokenrouter::model::{KvCache, Model};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: super::ModelArg,
+    /// Batch sizes to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    batch: Vec<usize>,
+    /// Prompt tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    prompt_len: usize,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 16)]
+    decode_steps: usize,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+struct Row {
+    batch: usize,
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.batch.is_empty() || args.batch.contains(&0) {
+        anyhow::bail!("--batch needs positive batch sizes, e.g. --batch 1,4,16");
+    }
+    if args.prompt_len == 0 || args.decode_steps == 0 {
+        anyhow::bail!("--prompt-len and --decode-steps must be positive");
+    }
+    let lm = args.model.load()?;
+    let model = &lm.model;
+    let needed = args.prompt_len + args.decode_steps;
+    if needed > model.config().context_length {
+        anyhow::bail!(
+            "--prompt-len + --decode-steps = {needed} exceeds the model's context length {}",
+            model.config().context_length
+        );
+    }
+    let bandwidth = read_bandwidth();
+    let roofline = bandwidth / model.streamed_weight_bytes() as f64;
+    let name = lm
+        .path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if !args.json {
+        println!(
+            "model {name}: {:.1} MB streamed per decode step, read bandwidth {:.2} GB/s, batch-1 roofline {:.1} tok/s",
+            model.streamed_weight_bytes() as f64 / 1e6,
+            bandwidth / 1e9,
+            roofline
+        );
+        println!("{:>6} {:>14} {:>14} {:>10}", "batch", "prefill tok/s", "decode tok/s", "% roofline");
+    }
+    for &batch in &args.batch {
+        let row = measure(model, batch, &args)?;
+        if args.json {
+            let obj = serde_json::json!({
+                "model": name,
+                "batch": row.batch,
+                "prefill_tok_s": row.prefill_tok_s,
+                "decode_tok_s": row.decode_tok_s,
+                "roofline_tok_s": roofline,
+            });
+            println!("{obj}");
+        } else {
+            println!(
+                "{:>6} {:>14.1} {:>14.1} {:>9.0}%",
+                row.batch,
+                row.prefill_tok_s,
+                row.decode_tok_s,
+                100.0 * row.decode_tok_s / roofline
+            );
+        }
+    }
+    Ok(())
+}
+
+fn measure(model: &Model, batch: usize, args: &BenchArgs) -> anyhow::Result<Row> {
+    let config = model.config();
+    let block_size = 16;
+    let per_seq = (args.prompt_len + args.decode_steps + 1).div_ceil(block_size) * block_size;
+    let mut kv = KvCache::with_capacity(config, block_size, batch * per_seq)?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
+    // Ordinary (non-special) ids from the low part of the vocabulary.
+    let id_range = 0..(config.vocab_size as u32).min(10_000);
+    let mut seqs: Vec<Sequence> = (0..batch)
+        .map(|_| Sequence::new((0..args.prompt_len).map(|_| rng.random_range(id_range.clone())).collect()))
+        .collect();
+
+    let started = Instant::now();
+    let mut logits = step(model, &mut kv, &mut seqs.iter_mut().collect::<Vec<_>>(), false)?.logits;
+    let prefill = started.elapsed().as_secs_f64();
+
+    let started = Instant::now();
+    for _ in 0..args.decode_steps {
+        for (i, s) in seqs.iter_mut().enumerate() {
+            s.tokens.push(argmax(&logits_row(&logits, i)?));
+        }
+        logits = step(model, &mut kv, &mut seqs.iter_mut().collect::<Vec<_>>(), false)?.logits;
+    }
+    let decode = started.elapsed().as_secs_f64();
+    Ok(Row {
+        batch,
+        prefill_tok_s: (batch * args.prompt_len) as f64 / prefill,
+        decode_tok_s: (batch * args.decode_steps) as f64 / decode,
+    })
+}
+
+/// Best-of-five read bandwidth in bytes/s over a buffer far larger than the caches, read with
+/// the same thread pool the kernels use.
+fn read_bandwidth() -> f64 {
+    let words = 64 << 20; // 512 MiB of u64
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let started = Instant::now();
+        let sum: u64 = buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+            .reduce(|| 0, u64::wrapping_add);
+        let secs = started.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        best = best.max((words * 8) as f64 / secs);
+    }
+    best
+}

@@ -1,0 +1,70 @@
+//! Command-line interface: `generate` and `bench-model`. Every flag can also be set through
+//! the environment (`TOKENROUTER_<FLAG>`).
+
+mod bench_model;
+mod generate;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "tokenrouter", version, about = "Token-level routed LLM inference")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from one model, streaming it to stdout.
+    Generate(generate::GenerateArgs),
+    /// Measure prefill and decode throughput per batch size against the memory roofline.
+    BenchModel(bench_model::BenchArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::BenchModel(args) => bench_model::run(args),
+    }
+}
+
+/// Which model a command runs: a path, or a name from the config file.
+#[derive(clap::Args)]
+struct ModelArg {
+    /// GGUF file, Hugging Face model directory, or the name of a model in the config file.
+    #[arg(long, env = "TOKENROUTER_MODEL")]
+    model: String,
+    /// Config file consulted when --model is a name.
+    #[arg(long, env = "TOKENROUTER_CONFIG", default_value = "config.toml")]
+    config: PathBuf,
+}
+
+impl ModelArg {
+    fn path(&self) -> anyhow::Result<PathBuf> {
+        let as_path = PathBuf::from(&self.model);
+        if as_path.exists() || self.model.contains('/') || self.model.ends_with(".gguf") {
+            return Ok(as_path);
+        }
+        let config = tokenrouter::config::Config::load(&self.config)?;
+        match config.model(&self.model) {
+            Some(entry) => Ok(entry.path.clone()),
+            None => {
+                let names: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
+                anyhow::bail!(
+                    "--model '{}' is neither a file nor a model named in {} (names: {})",
+                    self.model,
+                    self.config.display(),
+                    names.join(", ")
+                )
+            }
+        }
+    }
+
+    /// Loads the model on the CPU, naming the path in any error.
+    fn load(&self) -> anyhow::Result<tokenrouter::model::LoadedModel> {
+        let device = candle_core::Device::Cpu;
+        Ok(tokenrouter::model::LoadedModel::load(&self.path()?, &device)?)
+    }
+}

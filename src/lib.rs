@@ -1,0 +1,15 @@
+//! tokenrouter: a serving system for token-level routed LLM inference.
+//!
+//! Layers, from the bottom up (dependencies point downward only):
+//! * [`kernels`]: hot loops on plain slices (paged attention, rotary embedding).
+//! * [`model`]: weight loading, the decoder, the paged KV cache, tokenizer, chat template and
+//!   sampler. Knows nothing of actors or HTTP.
+//!
+//! [`config`] reads `config.toml`.
+//!
+//! See `ARCHITECTURE.md` in the shared design folder for the layers still to come (scheduler,
+//! routing, actors, server, tuning, gateway).
+
+pub mod config;
+pub mod kernels;
+pub mod model;

@@ -1,0 +1,166 @@
+//! Model runtime: loading checkpoints (GGUF kept quantized, Hugging Face safetensors), the
+//! Llama-family decoder with a batched forward over a paged KV cache, tokenizer, chat template
+//! and sampler. Knows nothing of actors, scheduling policy or HTTP.
+
+pub mod chat_template;
+pub mod config;
+pub mod decoder;
+pub mod error;
+pub mod gguf;
+pub mod kv_cache;
+pub mod runner;
+pub mod safetensors;
+pub mod sampler;
+pub mod tiny;
+pub mod tokenizer;
+mod weights;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use serde::Deserialize;
+
+pub use chat_template::{ChatMessage, ChatTemplate};
+pub use config::{Architecture, ModelConfig, RopeStyle};
+pub use decoder::{ForwardOutput, Model, SeqInput};
+pub use error::{ModelError, Result};
+pub use kv_cache::{BlockTable, KvCache};
+pub use sampler::{Sampler, SamplingParams};
+pub use tokenizer::{IncrementalDecoder, SpecialTokens};
+pub use weights::{Weight, WeightSource};
+
+/// Everything one checkpoint provides: weights, tokenizer, special ids and chat template.
+pub struct LoadedModel {
+    pub model: Model,
+    pub tokenizer: tokenizers::Tokenizer,
+    pub special: SpecialTokens,
+    pub chat_template: Option<ChatTemplate>,
+    pub path: PathBuf,
+}
+
+impl LoadedModel {
+    /// Loads a GGUF file, or a Hugging Face directory with `config.json` and safetensors.
+    pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        let meta = std::fs::metadata(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if meta.is_dir() {
+            Self::load_hf_dir(path, device)
+        } else {
+            Self::load_gguf(path, device)
+        }
+    }
+
+    fn load_gguf(path: &Path, device: &Device) -> Result<Self> {
+        let mut file = gguf::GgufFile::open(path, device)?;
+        let config = file.config()?;
+        let md = file.metadata();
+        let json_path = path.with_file_name("tokenizer.json");
+        let (tokenizer, special) = if json_path.is_file() {
+            let (_, mut special) = tokenizer::from_gguf_metadata(md)?;
+            let json = tokenizers::Tokenizer::from_file(&json_path)
+                .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", json_path.display())))?;
+            special.eos = tokenizer::end_ids(&json, special.eos.first().copied());
+            (json, special)
+        } else {
+            tokenizer::from_gguf_metadata(md)?
+        };
+        let chat_template = match md.get("tokenizer.chat_template") {
+            Some(v) => Some(ChatTemplate::new(
+                v.to_string().map_err(|e| ModelError::Template(e.to_string()))?,
+                special.bos_text.as_deref(),
+                special.eos_text.as_deref(),
+            )?),
+            None => None,
+        };
+        let model = Model::load(config, &mut file, device)?;
+        Ok(Self {
+            model,
+            tokenizer,
+            special,
+            chat_template,
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn load_hf_dir(dir: &Path, device: &Device) -> Result<Self> {
+        let mut st = safetensors::SafetensorsDir::open(dir, device)?;
+        let config = st.config()?;
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+        let tc: TokenizerConfig = match dir.join("tokenizer_config.json") {
+            p if p.is_file() => safetensors::read_json(&p)?,
+            _ => TokenizerConfig::default(),
+        };
+        let bos_text = tc.bos_token.as_ref().map(|t| t.text().to_string());
+        let eos_text = tc.eos_token.as_ref().map(|t| t.text().to_string());
+        let id_of = |t: &Option<String>| t.as_deref().and_then(|s| tokenizer.token_to_id(s));
+        let special = SpecialTokens {
+            bos: id_of(&bos_text),
+            eos: tokenizer::end_ids(&tokenizer, id_of(&eos_text)),
+            bos_text: bos_text.clone(),
+            eos_text: eos_text.clone(),
+        };
+        let chat_template = match tc.chat_template {
+            Some(src) => Some(ChatTemplate::new(&src, bos_text.as_deref(), eos_text.as_deref())?),
+            None => None,
+        };
+        let model = Model::load(config, &mut st, device)?;
+        Ok(Self {
+            model,
+            tokenizer,
+            special,
+            chat_template,
+            path: dir.to_path_buf(),
+        })
+    }
+
+    /// Tokenizes `text` (special tokens written in the text are recognised).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Renders `messages` with the checkpoint's chat template and tokenizes the result.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| ModelError::Template("the model has no chat template".into()))?;
+        self.encode(&template.render(messages, true)?)
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer
+            .decode(ids, true)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct TokenizerConfig {
+    chat_template: Option<String>,
+    bos_token: Option<TokenText>,
+    eos_token: Option<TokenText>,
+}
+
+/// `tokenizer_config.json` writes special tokens as a string or as `{"content": ...}`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum TokenText {
+    Plain(String),
+    Added { content: String },
+}
+
+impl TokenText {
+    fn text(&self) -> &str {
+        match self {
+            Self::Plain(s) | Self::Added { content: s } => s,
+        }
+    }
+}

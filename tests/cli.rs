@@ -1,0 +1,166 @@
+//! The `tokenrouter` binary: generation and benchmarking on a tiny model, and a one-line error
+//! with a non-zero exit (never a panic) for every kind of bad model file or input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use tokenrouter::model::tiny::{write_gguf, TinySpec};
+use tokenrouter::model::Architecture;
+
+fn tokenrouter(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+        .args(args)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap()
+}
+
+fn tiny(dir: &Path) -> PathBuf {
+    let path = dir.join("tiny.gguf");
+    write_gguf(&TinySpec::new(Architecture::Qwen2), &path, &[GgmlDType::Q8_0, GgmlDType::Q4_0]).unwrap();
+    path
+}
+
+/// Asserts a clean failure: non-zero exit, one `error:` line mentioning `needle`, no panic.
+fn assert_fails_with(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "expected one line, got: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    assert!(
+        lines[0].to_lowercase().contains(&needle.to_lowercase()),
+        "error should mention {needle:?}: {stderr}"
+    );
+}
+
+#[test]
+fn generate_streams_text_and_reports_throughput() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let out = tokenrouter(&["generate", "--model", model.to_str().unwrap(), "--prompt", "the cat", "--max-tokens", "8", "--chat"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("prefill:") && stderr.contains("decode:"), "{stderr}");
+    assert!(!out.stdout.is_empty());
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_from_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let run = |seed: &str| {
+        let out = tokenrouter(&[
+            "generate", "--model", model.to_str().unwrap(), "--prompt", "and the", "--max-tokens", "16",
+            "--temperature", "1.0", "--seed", seed,
+        ]);
+        assert!(out.status.success());
+        out.stdout
+    };
+    assert_eq!(run("7"), run("7"));
+}
+
+#[test]
+fn bench_model_prints_json_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let out = tokenrouter(&[
+        "bench-model", "--model", model.to_str().unwrap(), "--batch", "1,3", "--prompt-len", "8",
+        "--decode-steps", "4", "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let rows: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2);
+    for (row, batch) in rows.iter().zip([1, 3]) {
+        assert_eq!(row["batch"], batch);
+        assert_eq!(row["model"], "tiny.gguf");
+        for key in ["prefill_tok_s", "decode_tok_s", "roofline_tok_s"] {
+            assert!(row[key].as_f64().unwrap() > 0.0, "{key} in {row}");
+        }
+    }
+}
+
+#[test]
+fn missing_model_file_is_a_clear_error() {
+    let out = tokenrouter(&["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"]);
+    assert_fails_with(&out, "/nonexistent/model.gguf");
+}
+
+#[test]
+fn truncated_model_file_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() - 1000]).unwrap();
+    let out = tokenrouter(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi"]);
+    assert_fails_with(&out, "truncated");
+    // Cut inside the header too.
+    std::fs::write(&model, &bytes[..100]).unwrap();
+    let out = tokenrouter(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi"]);
+    assert_fails_with(&out, "tiny.gguf");
+}
+
+#[test]
+fn corrupt_model_file_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("garbage.gguf");
+    std::fs::write(&path, b"this is not a model at all, just some text that goes on").unwrap();
+    let out = tokenrouter(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
+    assert_fails_with(&out, "not a GGUF file");
+}
+
+fn write_custom_gguf(path: &Path, arch: &str, dtype: GgmlDType) {
+    let t = Tensor::zeros((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let q = QTensor::quantize(&t, dtype).unwrap();
+    let arch_value = Value::String(arch.into());
+    let mut file = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut file, &[("general.architecture", &arch_value)], &[("zz_weight", &q)]).unwrap();
+}
+
+#[test]
+fn unsupported_architecture_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("falcon.gguf");
+    write_custom_gguf(&path, "falcon", GgmlDType::Q8_0);
+    let out = tokenrouter(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
+    assert_fails_with(&out, "unsupported architecture 'falcon'");
+}
+
+#[test]
+fn unsupported_quant_type_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("iq.gguf");
+    write_custom_gguf(&path, "llama", GgmlDType::Q8_0);
+    // Rewrite the tensor's type id (Q8_0 = 8) to IQ2_XXS (16), which is not supported.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let name = b"zz_weight";
+    let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+    let type_at = at + 4 + 2 * 8; // n_dims (u32), two dims (u64)
+    assert_eq!(u32::from_le_bytes(bytes[type_at..type_at + 4].try_into().unwrap()), 8);
+    bytes[type_at..type_at + 4].copy_from_slice(&16u32.to_le_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    let out = tokenrouter(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
+    assert_fails_with(&out, "ggml type id 16");
+}
+
+#[test]
+fn prompt_longer_than_the_context_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let prompt = "zq ".repeat(400); // the tiny model's context is 256 positions
+    let out = tokenrouter(&["generate", "--model", model.to_str().unwrap(), "--prompt", &prompt]);
+    assert_fails_with(&out, "context length is 256");
+}
+
+#[test]
+fn invalid_sampling_flag_names_the_parameter() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let out = tokenrouter(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "--top-p", "0"]);
+    assert_fails_with(&out, "top_p");
+}

@@ -1,0 +1,141 @@
+//! Tiny random checkpoints of every supported architecture and weight format against
+//! candle-transformers' implementations: GGUF in each quant type (quantized_qwen2,
+//! quantized_llama, quantized_qwen3) and safetensors directories in f32/f16/bf16 (qwen2).
+
+mod common;
+
+use candle_core::quantized::{gguf_file, GgmlDType};
+use candle_core::{DType, Device};
+use candle_transformers::models::{qwen2, quantized_llama, quantized_qwen2, quantized_qwen3};
+use common::*;
+use tokenrouter::model::tiny::{write_gguf, write_hf_dir, TinySpec};
+use tokenrouter::model::{Architecture, LoadedModel};
+
+const STEPS: usize = 10;
+
+type RefForward = Box<dyn FnMut(&candle_core::Tensor, usize) -> candle_core::Result<candle_core::Tensor>>;
+
+fn gguf_reference(arch: Architecture, path: &std::path::Path) -> RefForward {
+    let mut file = std::fs::File::open(path).unwrap();
+    let ct = gguf_file::Content::read(&mut file).unwrap();
+    let dev = Device::Cpu;
+    match arch {
+        Architecture::Qwen2 => {
+            let mut m = quantized_qwen2::ModelWeights::from_gguf(ct, &mut file, &dev).unwrap();
+            Box::new(move |x, p| m.forward(x, p))
+        }
+        Architecture::Llama => {
+            let mut m = quantized_llama::ModelWeights::from_gguf(ct, &mut file, &dev).unwrap();
+            Box::new(move |x, p| m.forward(x, p))
+        }
+        Architecture::Qwen3 => {
+            let mut m = quantized_qwen3::ModelWeights::from_gguf(ct, &mut file, &dev).unwrap();
+            Box::new(move |x, p| m.forward(x, p))
+        }
+    }
+}
+
+fn check_gguf(spec: TinySpec, types: &[GgmlDType]) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    write_gguf(&spec, &path, types).unwrap();
+    let lm = LoadedModel::load(&path, &Device::Cpu).unwrap();
+    let prompt = lm.encode_chat(&[tokenrouter::model::ChatMessage::new("user", "the cat and the hat")]).unwrap();
+    let mut ours = Ours::new(&lm.model, prompt.len() + STEPS + 16);
+    let mut reference = Reference::new(gguf_reference(spec.architecture, &path));
+    let label = format!("{:?} {types:?}", spec.architecture);
+    let cmp = compare_greedy(&label, &prompt, STEPS, 1e-3, |c| ours.next_logits(c), |c| reference.next_logits(c));
+    assert!(cmp.max_abs_diff < 1e-3, "{label}: logits differ by {}", cmp.max_abs_diff);
+}
+
+#[test]
+fn qwen2_gguf_in_32_wide_quant_types_matches_reference() {
+    let spec = TinySpec::new(Architecture::Qwen2);
+    check_gguf(spec, &[GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0]);
+}
+
+#[test]
+fn qwen2_gguf_in_k_quants_matches_reference() {
+    let spec = TinySpec::new(Architecture::Qwen2).k_quant_sized();
+    check_gguf(spec, &[GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q5K, GgmlDType::Q8_0]);
+}
+
+#[test]
+fn llama_gguf_with_tied_embeddings_matches_reference() {
+    let spec = TinySpec::new(Architecture::Llama);
+    assert!(spec.tied_embeddings);
+    check_gguf(spec, &[GgmlDType::Q8_0, GgmlDType::Q4_1]);
+}
+
+#[test]
+fn qwen3_gguf_with_qk_norm_matches_reference() {
+    let spec = TinySpec::new(Architecture::Qwen3);
+    check_gguf(spec, &[GgmlDType::Q8_0, GgmlDType::Q4_0]);
+}
+
+#[test]
+fn float_gguf_matches_reference() {
+    check_gguf(TinySpec::new(Architecture::Qwen2), &[GgmlDType::F32]);
+    check_gguf(TinySpec::new(Architecture::Llama), &[GgmlDType::F16]);
+}
+
+fn check_hf_dir(dtype: DType) {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec::new(Architecture::Qwen2);
+    write_hf_dir(&spec, dir.path(), dtype).unwrap();
+    let lm = LoadedModel::load(dir.path(), &Device::Cpu).unwrap();
+
+    let cfg: qwen2::Config = serde_json::from_value(serde_json::json!({
+        "vocab_size": spec.vocab_size(),
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "max_position_embeddings": spec.context_length,
+        "sliding_window": spec.context_length,
+        "max_window_layers": spec.num_layers,
+        "tie_word_embeddings": spec.tied_embeddings,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "use_sliding_window": false,
+        "hidden_act": "silu",
+    }))
+    .unwrap();
+    let files = vec![dir.path().join("model.safetensors")];
+    let vb = unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap() };
+    let mut m = qwen2::ModelForCausalLM::new(&cfg, vb).unwrap();
+    let mut reference = Reference::new(move |x, p| m.forward(x, p));
+    let prompt = lm.encode("and the cat is on the mat, and then").unwrap();
+    let mut ours = Ours::new(&lm.model, prompt.len() + STEPS + 16);
+    let label = format!("qwen2 safetensors {dtype:?}");
+    let cmp = compare_greedy(&label, &prompt, STEPS, 1e-3, |c| ours.next_logits(c), |c| reference.next_logits(c));
+    assert!(cmp.max_abs_diff < 1e-3, "{label}: logits differ by {}", cmp.max_abs_diff);
+}
+
+#[test]
+fn safetensors_f32_directory_matches_reference() {
+    check_hf_dir(DType::F32);
+}
+
+#[test]
+fn safetensors_f16_and_bf16_directories_match_reference() {
+    check_hf_dir(DType::F16);
+    check_hf_dir(DType::BF16);
+}
+
+#[test]
+fn hf_directory_and_gguf_of_the_same_weights_agree() {
+    // The same random weights through both loaders (f32 everywhere): identical logits.
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec::new(Architecture::Qwen2);
+    write_hf_dir(&spec, &dir.path().join("hf"), DType::F32).unwrap();
+    write_gguf(&spec, &dir.path().join("m.gguf"), &[GgmlDType::F32]).unwrap();
+    let a = LoadedModel::load(&dir.path().join("hf"), &Device::Cpu).unwrap();
+    let b = LoadedModel::load(&dir.path().join("m.gguf"), &Device::Cpu).unwrap();
+    let prompt = a.encode("hello there").unwrap();
+    assert_eq!(prompt, b.encode("hello there").unwrap());
+    let la = Ours::new(&a.model, 64).next_logits(&prompt);
+    let lb = Ours::new(&b.model, 64).next_logits(&prompt);
+    assert_eq!(la, lb);
+}
