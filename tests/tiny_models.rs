@@ -12,6 +12,12 @@ use tokenrouter::model::tiny::{write_gguf, write_hf_dir, TinySpec};
 use tokenrouter::model::{Architecture, LoadedModel};
 
 const STEPS: usize = 10;
+/// Float checkpoints: only summation order differs from the reference.
+const FLOAT_TOLERANCE: f32 = 1e-3;
+/// Quantized checkpoints: activations are re-quantized to 8 bits before each matmul, so a
+/// last-bit difference in attention can move one activation by one quantum and a logit by
+/// a few hundredths.
+const QUANT_TOLERANCE: f32 = 0.1;
 
 type RefForward = Box<dyn FnMut(&candle_core::Tensor, usize) -> candle_core::Result<candle_core::Tensor>>;
 
@@ -44,8 +50,10 @@ fn check_gguf(spec: TinySpec, types: &[GgmlDType]) {
     let mut ours = Ours::new(&lm.model, prompt.len() + STEPS + 16);
     let mut reference = Reference::new(gguf_reference(spec.architecture, &path));
     let label = format!("{:?} {types:?}", spec.architecture);
-    let cmp = compare_greedy(&label, &prompt, STEPS, 1e-3, |c| ours.next_logits(c), |c| reference.next_logits(c));
-    assert!(cmp.max_abs_diff < 1e-3, "{label}: logits differ by {}", cmp.max_abs_diff);
+    let float = types.iter().all(|t| matches!(t, GgmlDType::F32 | GgmlDType::F16));
+    let tol = if float { FLOAT_TOLERANCE } else { QUANT_TOLERANCE };
+    let cmp = compare_greedy(&label, &prompt, STEPS, tol, |c| ours.next_logits(c), |c| reference.next_logits(c));
+    assert!(cmp.max_abs_diff < tol, "{label}: logits differ by {}", cmp.max_abs_diff);
 }
 
 #[test]
@@ -109,8 +117,8 @@ fn check_hf_dir(dtype: DType) {
     let prompt = lm.encode("and the cat is on the mat, and then").unwrap();
     let mut ours = Ours::new(&lm.model, prompt.len() + STEPS + 16);
     let label = format!("qwen2 safetensors {dtype:?}");
-    let cmp = compare_greedy(&label, &prompt, STEPS, 1e-3, |c| ours.next_logits(c), |c| reference.next_logits(c));
-    assert!(cmp.max_abs_diff < 1e-3, "{label}: logits differ by {}", cmp.max_abs_diff);
+    let cmp = compare_greedy(&label, &prompt, STEPS, FLOAT_TOLERANCE, |c| ours.next_logits(c), |c| reference.next_logits(c));
+    assert!(cmp.max_abs_diff < FLOAT_TOLERANCE, "{label}: logits differ by {}", cmp.max_abs_diff);
 }
 
 #[test]
