@@ -57,7 +57,8 @@ impl Config {
             path: path.to_path_buf(),
             reason,
         };
-        let mut config: Config = toml::from_str(&text).map_err(|e| invalid(e.message().to_string()))?;
+        let mut config: Config =
+            toml::from_str(&text).map_err(|e| invalid(e.message().to_string()))?;
         config.validate().map_err(invalid)?;
         let base = path.parent().unwrap_or(Path::new("."));
         for m in &mut config.models {
@@ -70,19 +71,26 @@ impl Config {
 
     fn validate(&self) -> Result<(), String> {
         if self.models.is_empty() {
-            return Err("[[models]] is empty: add at least one model with a name and a path".into());
+            return Err(
+                "[[models]] is empty: add at least one model with a name and a path".into(),
+            );
         }
         for (i, m) in self.models.iter().enumerate() {
             if m.name.is_empty() {
                 return Err(format!("models[{i}].name is empty"));
             }
             if self.models[..i].iter().any(|o| o.name == m.name) {
-                return Err(format!("models[{i}].name '{}' is used twice; names must be unique", m.name));
+                return Err(format!(
+                    "models[{i}].name '{}' is used twice; names must be unique",
+                    m.name
+                ));
             }
         }
         let bs = self.kv_cache.block_size;
         if bs == 0 || bs > MAX_BLOCK_SIZE {
-            return Err(format!("kv_cache.block_size = {bs}: must be between 1 and {MAX_BLOCK_SIZE}"));
+            return Err(format!(
+                "kv_cache.block_size = {bs}: must be between 1 and {MAX_BLOCK_SIZE}"
+            ));
         }
         Ok(())
     }
@@ -109,7 +117,10 @@ mod tests {
         let path = dir.path().join("config.toml");
         std::fs::write(&path, "[[models]]\nname = \"slm\"\npath = \"m/a.gguf\"\n").unwrap();
         let config = Config::load(&path).unwrap();
-        assert_eq!(config.model("slm").unwrap().path, dir.path().join("m/a.gguf"));
+        assert_eq!(
+            config.model("slm").unwrap().path,
+            dir.path().join("m/a.gguf")
+        );
         assert_eq!(config.kv_cache.block_size, 16);
     }
 
@@ -121,9 +132,13 @@ mod tests {
 
     #[test]
     fn duplicate_names_and_bad_block_sizes_are_rejected() {
-        let err = load_str("[[models]]\nname = \"a\"\npath = \"x\"\n[[models]]\nname = \"a\"\npath = \"y\"\n").unwrap_err();
+        let err = load_str(
+            "[[models]]\nname = \"a\"\npath = \"x\"\n[[models]]\nname = \"a\"\npath = \"y\"\n",
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("used twice"), "{err}");
-        let err = load_str("[[models]]\nname = \"a\"\npath = \"x\"\n[kv_cache]\nblock_size = 0\n").unwrap_err();
+        let err = load_str("[[models]]\nname = \"a\"\npath = \"x\"\n[kv_cache]\nblock_size = 0\n")
+            .unwrap_err();
         assert!(err.to_string().contains("kv_cache.block_size"), "{err}");
     }
 

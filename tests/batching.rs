@@ -15,12 +15,21 @@ fn tiny_model_batched_decoding_matches_each_sequence_alone() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
     let spec = TinySpec::new(Architecture::Qwen2);
-    write_gguf(&spec, &path, &[GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q5_0]).unwrap();
+    write_gguf(
+        &spec,
+        &path,
+        &[GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q5_0],
+    )
+    .unwrap();
     let lm = LoadedModel::load(&path, &Device::Cpu).unwrap();
     let prompts: Vec<Vec<u32>> = [5usize, 17, 40, 1]
         .iter()
         .enumerate()
-        .map(|(k, &n)| (0..n as u32).map(|i| (i * 7 + k as u32 * 13) % 250).collect())
+        .map(|(k, &n)| {
+            (0..n as u32)
+                .map(|i| (i * 7 + k as u32 * 13) % 250)
+                .collect()
+        })
         .collect();
     let diff = check_batch_invariance(&lm.model, &prompts, 12, 1e-3);
     assert!(diff < 1e-3, "logits moved by {diff} when batched");
@@ -41,5 +50,8 @@ fn qwen2_05b_batched_decoding_matches_each_sequence_alone() {
     // the reference shows between its own prefill and incremental evaluation); the dequantized
     // run in `reference_real_exact.rs` holds this to 1e-3.
     let diff = check_batch_invariance(&lm.model, &prompts, 12, QUANT_TIE_TOLERANCE);
-    assert!(diff < QUANT_MAX_LOGIT_DIFF, "logits moved by {diff} when batched");
+    assert!(
+        diff < QUANT_MAX_LOGIT_DIFF,
+        "logits moved by {diff} when batched"
+    );
 }

@@ -20,14 +20,22 @@ fn tokenrouter(args: &[&str]) -> Output {
 
 fn tiny(dir: &Path) -> PathBuf {
     let path = dir.join("tiny.gguf");
-    write_gguf(&TinySpec::new(Architecture::Qwen2), &path, &[GgmlDType::Q8_0, GgmlDType::Q4_0]).unwrap();
+    write_gguf(
+        &TinySpec::new(Architecture::Qwen2),
+        &path,
+        &[GgmlDType::Q8_0, GgmlDType::Q4_0],
+    )
+    .unwrap();
     path
 }
 
 /// Asserts a clean failure: non-zero exit, one `error:` line mentioning `needle`, no panic.
 fn assert_fails_with(out: &Output, needle: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got success; stderr: {stderr}");
+    assert!(
+        !out.status.success(),
+        "expected failure, got success; stderr: {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "panicked: {stderr}");
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "expected one line, got: {stderr}");
@@ -42,10 +50,22 @@ fn assert_fails_with(out: &Output, needle: &str) {
 fn generate_streams_text_and_reports_throughput() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let out = tokenrouter(&["generate", "--model", model.to_str().unwrap(), "--prompt", "the cat", "--max-tokens", "8", "--chat"]);
+    let out = tokenrouter(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "the cat",
+        "--max-tokens",
+        "8",
+        "--chat",
+    ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    assert!(stderr.contains("prefill:") && stderr.contains("decode:"), "{stderr}");
+    assert!(
+        stderr.contains("prefill:") && stderr.contains("decode:"),
+        "{stderr}"
+    );
     assert!(!out.stdout.is_empty());
 }
 
@@ -55,8 +75,17 @@ fn seeded_sampling_is_reproducible_from_the_cli() {
     let model = tiny(dir.path());
     let run = |seed: &str| {
         let out = tokenrouter(&[
-            "generate", "--model", model.to_str().unwrap(), "--prompt", "and the", "--max-tokens", "16",
-            "--temperature", "1.0", "--seed", seed,
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "and the",
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "1.0",
+            "--seed",
+            seed,
         ]);
         assert!(out.status.success());
         out.stdout
@@ -69,12 +98,27 @@ fn bench_model_prints_json_lines() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let out = tokenrouter(&[
-        "bench-model", "--model", model.to_str().unwrap(), "--batch", "1,3", "--prompt-len", "8",
-        "--decode-steps", "4", "--json",
+        "bench-model",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "1,3",
+        "--prompt-len",
+        "8",
+        "--decode-steps",
+        "4",
+        "--json",
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8(out.stdout).unwrap();
-    let rows: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(rows.len(), 2);
     for (row, batch) in rows.iter().zip([1, 3]) {
         assert_eq!(row["batch"], batch);
@@ -87,7 +131,13 @@ fn bench_model_prints_json_lines() {
 
 #[test]
 fn missing_model_file_is_a_clear_error() {
-    let out = tokenrouter(&["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"]);
+    let out = tokenrouter(&[
+        "generate",
+        "--model",
+        "/nonexistent/model.gguf",
+        "--prompt",
+        "hi",
+    ]);
     assert_fails_with(&out, "/nonexistent/model.gguf");
 }
 
@@ -97,11 +147,23 @@ fn truncated_model_file_is_a_clear_error() {
     let model = tiny(dir.path());
     let bytes = std::fs::read(&model).unwrap();
     std::fs::write(&model, &bytes[..bytes.len() - 1000]).unwrap();
-    let out = tokenrouter(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi"]);
+    let out = tokenrouter(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
     assert_fails_with(&out, "truncated");
     // Cut inside the header too.
     std::fs::write(&model, &bytes[..100]).unwrap();
-    let out = tokenrouter(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi"]);
+    let out = tokenrouter(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
     assert_fails_with(&out, "tiny.gguf");
 }
 
@@ -109,8 +171,18 @@ fn truncated_model_file_is_a_clear_error() {
 fn corrupt_model_file_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("garbage.gguf");
-    std::fs::write(&path, b"this is not a model at all, just some text that goes on").unwrap();
-    let out = tokenrouter(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
+    std::fs::write(
+        &path,
+        b"this is not a model at all, just some text that goes on",
+    )
+    .unwrap();
+    let out = tokenrouter(&[
+        "generate",
+        "--model",
+        path.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
     assert_fails_with(&out, "not a GGUF file");
 }
 
@@ -119,7 +191,12 @@ fn write_custom_gguf(path: &Path, arch: &str, dtype: GgmlDType) {
     let q = QTensor::quantize(&t, dtype).unwrap();
     let arch_value = Value::String(arch.into());
     let mut file = std::fs::File::create(path).unwrap();
-    gguf_file::write(&mut file, &[("general.architecture", &arch_value)], &[("zz_weight", &q)]).unwrap();
+    gguf_file::write(
+        &mut file,
+        &[("general.architecture", &arch_value)],
+        &[("zz_weight", &q)],
+    )
+    .unwrap();
 }
 
 #[test]
@@ -127,7 +204,13 @@ fn unsupported_architecture_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("falcon.gguf");
     write_custom_gguf(&path, "falcon", GgmlDType::Q8_0);
-    let out = tokenrouter(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
+    let out = tokenrouter(&[
+        "generate",
+        "--model",
+        path.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
     assert_fails_with(&out, "unsupported architecture 'falcon'");
 }
 
@@ -141,10 +224,19 @@ fn unsupported_quant_type_is_a_clear_error() {
     let name = b"zz_weight";
     let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
     let type_at = at + 4 + 2 * 8; // n_dims (u32), two dims (u64)
-    assert_eq!(u32::from_le_bytes(bytes[type_at..type_at + 4].try_into().unwrap()), 8);
+    assert_eq!(
+        u32::from_le_bytes(bytes[type_at..type_at + 4].try_into().unwrap()),
+        8
+    );
     bytes[type_at..type_at + 4].copy_from_slice(&16u32.to_le_bytes());
     std::fs::write(&path, bytes).unwrap();
-    let out = tokenrouter(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
+    let out = tokenrouter(&[
+        "generate",
+        "--model",
+        path.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
     assert_fails_with(&out, "ggml type id 16");
 }
 
@@ -153,7 +245,13 @@ fn prompt_longer_than_the_context_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let prompt = "zq ".repeat(400); // the tiny model's context is 256 positions
-    let out = tokenrouter(&["generate", "--model", model.to_str().unwrap(), "--prompt", &prompt]);
+    let out = tokenrouter(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        &prompt,
+    ]);
     assert_fails_with(&out, "context length is 256");
 }
 
@@ -161,6 +259,14 @@ fn prompt_longer_than_the_context_is_a_clear_error() {
 fn invalid_sampling_flag_names_the_parameter() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let out = tokenrouter(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "--top-p", "0"]);
+    let out = tokenrouter(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--top-p",
+        "0",
+    ]);
     assert_fails_with(&out, "top_p");
 }

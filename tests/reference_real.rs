@@ -10,14 +10,24 @@ use common::*;
 
 #[test]
 fn qwen2_05b_matches_candle_transformers_quantized_qwen2() {
-    check_against_reference(QWEN_05B, PROMPTS, 32, QUANT_TIE_TOLERANCE, QUANT_MAX_LOGIT_DIFF, &mut || {
-        candle_reference(QWEN_05B)
-    });
+    check_against_reference(
+        QWEN_05B,
+        PROMPTS,
+        32,
+        QUANT_TIE_TOLERANCE,
+        QUANT_MAX_LOGIT_DIFF,
+        &mut || candle_reference(QWEN_05B),
+    );
 }
 
 #[test]
 fn smollm2_matches_candle_transformers_quantized_llama() {
-    check_against_reference(SMOLLM2, PROMPTS, 32, QUANT_TIE_TOLERANCE, QUANT_MAX_LOGIT_DIFF, &mut || {
-        candle_reference(SMOLLM2)
-    });
+    check_against_reference(
+        SMOLLM2,
+        PROMPTS,
+        32,
+        QUANT_TIE_TOLERANCE,
+        QUANT_MAX_LOGIT_DIFF,
+        &mut || candle_reference(SMOLLM2),
+    );
 }

@@ -17,25 +17,43 @@ fn dequantize_all() {
 #[test]
 fn dequantized_smollm2_matches_reference_exactly() {
     dequantize_all();
-    check_against_reference(SMOLLM2, PROMPTS, 32, EXACT_TOLERANCE, EXACT_TOLERANCE, &mut || {
-        candle_reference(SMOLLM2)
-    });
+    check_against_reference(
+        SMOLLM2,
+        PROMPTS,
+        32,
+        EXACT_TOLERANCE,
+        EXACT_TOLERANCE,
+        &mut || candle_reference(SMOLLM2),
+    );
 }
 
 #[test]
 fn dequantized_qwen2_05b_matches_reference_exactly() {
     dequantize_all();
-    check_against_reference(QWEN_05B, &PROMPTS[..1], 32, EXACT_TOLERANCE, EXACT_TOLERANCE, &mut || {
-        candle_reference(QWEN_05B)
-    });
+    check_against_reference(
+        QWEN_05B,
+        &PROMPTS[..1],
+        32,
+        EXACT_TOLERANCE,
+        EXACT_TOLERANCE,
+        &mut || candle_reference(QWEN_05B),
+    );
 }
 
 #[test]
 fn dequantized_batched_decoding_matches_alone_exactly() {
     dequantize_all();
     let lm = load(&real_model(SMOLLM2));
-    let texts = ["def quicksort(arr):", "The capital of France is", "Once upon a time, a small robot", "1, 2, 3,"];
+    let texts = [
+        "def quicksort(arr):",
+        "The capital of France is",
+        "Once upon a time, a small robot",
+        "1, 2, 3,",
+    ];
     let prompts: Vec<Vec<u32>> = texts.iter().map(|t| lm.encode(t).unwrap()).collect();
     let diff = check_batch_invariance(&lm.model, &prompts, 12, EXACT_TOLERANCE);
-    assert!(diff < EXACT_TOLERANCE, "logits moved by {diff} when batched");
+    assert!(
+        diff < EXACT_TOLERANCE,
+        "logits moved by {diff} when batched"
+    );
 }

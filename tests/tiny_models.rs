@@ -4,9 +4,9 @@
 
 mod common;
 
-use candle_core::quantized::{gguf_file, GgmlDType};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
-use candle_transformers::models::{qwen2, quantized_llama, quantized_qwen2, quantized_qwen3};
+use candle_transformers::models::qwen2;
 use common::*;
 use tokenrouter::model::tiny::{write_gguf, write_hf_dir, TinySpec};
 use tokenrouter::model::{Architecture, LoadedModel};
@@ -19,53 +19,70 @@ const FLOAT_TOLERANCE: f32 = 1e-3;
 /// a few hundredths.
 const QUANT_TOLERANCE: f32 = 0.1;
 
-type RefForward = Box<dyn FnMut(&candle_core::Tensor, usize) -> candle_core::Result<candle_core::Tensor>>;
-
-fn gguf_reference(arch: Architecture, path: &std::path::Path) -> RefForward {
-    let mut file = std::fs::File::open(path).unwrap();
-    let ct = gguf_file::Content::read(&mut file).unwrap();
-    let dev = Device::Cpu;
-    match arch {
-        Architecture::Qwen2 => {
-            let mut m = quantized_qwen2::ModelWeights::from_gguf(ct, &mut file, &dev).unwrap();
-            Box::new(move |x, p| m.forward(x, p))
-        }
-        Architecture::Llama => {
-            let mut m = quantized_llama::ModelWeights::from_gguf(ct, &mut file, &dev).unwrap();
-            Box::new(move |x, p| m.forward(x, p))
-        }
-        Architecture::Qwen3 => {
-            let mut m = quantized_qwen3::ModelWeights::from_gguf(ct, &mut file, &dev).unwrap();
-            Box::new(move |x, p| m.forward(x, p))
-        }
-    }
-}
-
 fn check_gguf(spec: TinySpec, types: &[GgmlDType]) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
     write_gguf(&spec, &path, types).unwrap();
     let lm = LoadedModel::load(&path, &Device::Cpu).unwrap();
-    let prompt = lm.encode_chat(&[tokenrouter::model::ChatMessage::new("user", "the cat and the hat")]).unwrap();
+    let prompt = lm
+        .encode_chat(&[tokenrouter::model::ChatMessage::new(
+            "user",
+            "the cat and the hat",
+        )])
+        .unwrap();
     let mut ours = Ours::new(&lm.model, prompt.len() + STEPS + 16);
-    let mut reference = Reference::new(gguf_reference(spec.architecture, &path));
+    let mut reference = candle_gguf_model(&path);
     let label = format!("{:?} {types:?}", spec.architecture);
-    let float = types.iter().all(|t| matches!(t, GgmlDType::F32 | GgmlDType::F16));
-    let tol = if float { FLOAT_TOLERANCE } else { QUANT_TOLERANCE };
-    let cmp = compare_greedy(&label, &prompt, STEPS, tol, |c| ours.next_logits(c), |c| reference.next_logits(c));
-    assert!(cmp.max_abs_diff < tol, "{label}: logits differ by {}", cmp.max_abs_diff);
+    let float = types
+        .iter()
+        .all(|t| matches!(t, GgmlDType::F32 | GgmlDType::F16));
+    let tol = if float {
+        FLOAT_TOLERANCE
+    } else {
+        QUANT_TOLERANCE
+    };
+    let cmp = compare_greedy(
+        &label,
+        &prompt,
+        STEPS,
+        tol,
+        |c| ours.next_logits(c),
+        |c| reference(c),
+    );
+    assert!(
+        cmp.max_abs_diff < tol,
+        "{label}: logits differ by {}",
+        cmp.max_abs_diff
+    );
 }
 
 #[test]
 fn qwen2_gguf_in_32_wide_quant_types_matches_reference() {
     let spec = TinySpec::new(Architecture::Qwen2);
-    check_gguf(spec, &[GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0]);
+    check_gguf(
+        spec,
+        &[
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+        ],
+    );
 }
 
 #[test]
 fn qwen2_gguf_in_k_quants_matches_reference() {
     let spec = TinySpec::new(Architecture::Qwen2).k_quant_sized();
-    check_gguf(spec, &[GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q5K, GgmlDType::Q8_0]);
+    check_gguf(
+        spec,
+        &[
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+            GgmlDType::Q5K,
+            GgmlDType::Q8_0,
+        ],
+    );
 }
 
 #[test]
@@ -111,14 +128,27 @@ fn check_hf_dir(dtype: DType) {
     }))
     .unwrap();
     let files = vec![dir.path().join("model.safetensors")];
-    let vb = unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap() };
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap()
+    };
     let mut m = qwen2::ModelForCausalLM::new(&cfg, vb).unwrap();
     let mut reference = Reference::new(move |x, p| m.forward(x, p));
     let prompt = lm.encode("and the cat is on the mat, and then").unwrap();
     let mut ours = Ours::new(&lm.model, prompt.len() + STEPS + 16);
     let label = format!("qwen2 safetensors {dtype:?}");
-    let cmp = compare_greedy(&label, &prompt, STEPS, FLOAT_TOLERANCE, |c| ours.next_logits(c), |c| reference.next_logits(c));
-    assert!(cmp.max_abs_diff < FLOAT_TOLERANCE, "{label}: logits differ by {}", cmp.max_abs_diff);
+    let cmp = compare_greedy(
+        &label,
+        &prompt,
+        STEPS,
+        FLOAT_TOLERANCE,
+        |c| ours.next_logits(c),
+        |c| reference.next_logits(c),
+    );
+    assert!(
+        cmp.max_abs_diff < FLOAT_TOLERANCE,
+        "{label}: logits differ by {}",
+        cmp.max_abs_diff
+    );
 }
 
 #[test]

@@ -37,14 +37,32 @@ fn check(name: &str) {
     let md = file.metadata();
     let (tok, special) = tokenizer::from_gguf_metadata(md).unwrap();
     for case in &golden.encode {
-        let ids = tok.encode(case.text.as_str(), true).unwrap().get_ids().to_vec();
+        let ids = tok
+            .encode(case.text.as_str(), true)
+            .unwrap()
+            .get_ids()
+            .to_vec();
         assert_eq!(ids, case.ids, "{name}: ids of {:?}", case.text);
-        assert_eq!(tok.decode(&ids, false).unwrap(), case.decoded, "{name}: decode of {:?}", case.text);
+        assert_eq!(
+            tok.decode(&ids, false).unwrap(),
+            case.decoded,
+            "{name}: decode of {:?}",
+            case.text
+        );
     }
     let source = md["tokenizer.chat_template"].to_string().unwrap();
-    let template = ChatTemplate::new(source, special.bos_text.as_deref(), special.eos_text.as_deref()).unwrap();
+    let template = ChatTemplate::new(
+        source,
+        special.bos_text.as_deref(),
+        special.eos_text.as_deref(),
+    )
+    .unwrap();
     for case in &golden.chat {
-        assert_eq!(template.render(&case.messages, true).unwrap(), case.rendered, "{name}: chat rendering");
+        assert_eq!(
+            template.render(&case.messages, true).unwrap(),
+            case.rendered,
+            "{name}: chat rendering"
+        );
     }
 }
 
@@ -66,7 +84,10 @@ fn qwen_pair_shares_one_tokenizer() {
     let (tb, sb) = tokenizer::from_gguf_metadata(b.metadata()).unwrap();
     assert_eq!(sa.eos, sb.eos);
     let text = "fn main() { println!(\"héllo 🦀\"); }";
-    assert_eq!(ta.encode(text, true).unwrap().get_ids(), tb.encode(text, true).unwrap().get_ids());
+    assert_eq!(
+        ta.encode(text, true).unwrap().get_ids(),
+        tb.encode(text, true).unwrap().get_ids()
+    );
 }
 
 #[test]
@@ -80,7 +101,10 @@ fn incremental_decoding_reassembles_split_characters() {
     let mut out = String::new();
     for &id in &ids {
         let piece = dec.push(&tok, id).unwrap();
-        assert!(!piece.contains('\u{FFFD}'), "emitted a broken character: {piece:?}");
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "emitted a broken character: {piece:?}"
+        );
         out.push_str(&piece);
     }
     out.push_str(&dec.flush(&tok).unwrap());

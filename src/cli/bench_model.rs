@@ -67,7 +67,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             bandwidth / 1e9,
             roofline
         );
-        println!("{:>6} {:>14} {:>14} {:>10}", "batch", "prefill tok/s", "decode tok/s", "% roofline");
+        println!(
+            "{:>6} {:>14} {:>14} {:>10}",
+            "batch", "prefill tok/s", "decode tok/s", "% roofline"
+        );
     }
     for &batch in &args.batch {
         let row = measure(model, batch, &args)?;
@@ -102,11 +105,23 @@ fn measure(model: &Model, batch: usize, args: &BenchArgs) -> anyhow::Result<Row>
     // Ordinary (non-special) ids from the low part of the vocabulary.
     let id_range = 0..(config.vocab_size as u32).min(10_000);
     let mut seqs: Vec<Sequence> = (0..batch)
-        .map(|_| Sequence::new((0..args.prompt_len).map(|_| rng.random_range(id_range.clone())).collect()))
+        .map(|_| {
+            Sequence::new(
+                (0..args.prompt_len)
+                    .map(|_| rng.random_range(id_range.clone()))
+                    .collect(),
+            )
+        })
         .collect();
 
     let started = Instant::now();
-    let mut logits = step(model, &mut kv, &mut seqs.iter_mut().collect::<Vec<_>>(), false)?.logits;
+    let mut logits = step(
+        model,
+        &mut kv,
+        &mut seqs.iter_mut().collect::<Vec<_>>(),
+        false,
+    )?
+    .logits;
     let prefill = started.elapsed().as_secs_f64();
 
     let started = Instant::now();
@@ -114,7 +129,13 @@ fn measure(model: &Model, batch: usize, args: &BenchArgs) -> anyhow::Result<Row>
         for (i, s) in seqs.iter_mut().enumerate() {
             s.tokens.push(argmax(&logits_row(&logits, i)?));
         }
-        logits = step(model, &mut kv, &mut seqs.iter_mut().collect::<Vec<_>>(), false)?.logits;
+        logits = step(
+            model,
+            &mut kv,
+            &mut seqs.iter_mut().collect::<Vec<_>>(),
+            false,
+        )?
+        .logits;
     }
     let decode = started.elapsed().as_secs_f64();
     Ok(Row {

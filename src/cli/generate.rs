@@ -74,7 +74,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let (_, stats) = generate(&lm.model, &mut kv, request, |token| {
         let text = decoder.push(&lm.tokenizer, token)?;
         // A closed stdout (`| head`) ends the output; it is not an error of the model.
-        let _ = stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush());
+        let _ = stdout
+            .write_all(text.as_bytes())
+            .and_then(|_| stdout.flush());
         Ok(())
     })?;
     let rest = decoder.flush(&lm.tokenizer)?;

@@ -9,7 +9,11 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "tokenrouter", version, about = "Token-level routed LLM inference")]
+#[command(
+    name = "tokenrouter",
+    version,
+    about = "Token-level routed LLM inference"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -65,6 +69,9 @@ impl ModelArg {
     /// Loads the model on the CPU, naming the path in any error.
     fn load(&self) -> anyhow::Result<tokenrouter::model::LoadedModel> {
         let device = candle_core::Device::Cpu;
-        Ok(tokenrouter::model::LoadedModel::load(&self.path()?, &device)?)
+        Ok(tokenrouter::model::LoadedModel::load(
+            &self.path()?,
+            &device,
+        )?)
     }
 }

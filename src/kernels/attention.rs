@@ -51,7 +51,10 @@ pub fn paged_attention(
 ) {
     let hd = kv.head_dim;
     let group = num_heads / kv.num_kv_heads;
-    assert!(kv.block_size <= MAX_BLOCK_SIZE, "block size above {MAX_BLOCK_SIZE}");
+    assert!(
+        kv.block_size <= MAX_BLOCK_SIZE,
+        "block size above {MAX_BLOCK_SIZE}"
+    );
     assert_eq!(num_heads % kv.num_kv_heads, 0);
     assert_eq!(q.len(), out.len());
     // (sequence, context length) of every token.
@@ -135,12 +138,9 @@ mod tests {
     /// Plain attention over a dense `[positions, kv_heads, hd]` copy of the cache.
     fn reference(
         q: &[f32],
-        dense_k: &[Vec<f32>],
-        dense_v: &[Vec<f32>],
+        (dense_k, dense_v): (&[Vec<f32>], &[Vec<f32>]),
         seqs: &[(usize, usize)],
-        heads: usize,
-        kv_heads: usize,
-        hd: usize,
+        (heads, kv_heads, hd): (usize, usize, usize),
         scale: f32,
     ) -> Vec<f32> {
         let mut out = Vec::new();
@@ -154,7 +154,10 @@ mod tests {
                     let scores: Vec<f64> = (0..ctx)
                         .map(|p| {
                             let k = &dense_k[s][(p * kv_heads + kvh) * hd..][..hd];
-                            qh.iter().zip(k).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>()
+                            qh.iter()
+                                .zip(k)
+                                .map(|(a, b)| (*a as f64) * (*b as f64))
+                                .sum::<f64>()
                                 * scale as f64
                         })
                         .collect();
@@ -174,10 +177,18 @@ mod tests {
         out
     }
 
-    fn run_case(block_size: usize, heads: usize, kv_heads: usize, hd: usize, seqs: &[(usize, usize)]) {
+    fn run_case(
+        block_size: usize,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+        seqs: &[(usize, usize)],
+    ) {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        let num_blocks_per_seq: Vec<usize> =
-            seqs.iter().map(|(s, n)| (s + n).div_ceil(block_size)).collect();
+        let num_blocks_per_seq: Vec<usize> = seqs
+            .iter()
+            .map(|(s, n)| (s + n).div_ceil(block_size))
+            .collect();
         let total_blocks: usize = num_blocks_per_seq.iter().sum::<usize>() + 3;
         let row = kv_heads * block_size * hd;
         let mut k = vec![0f32; total_blocks * row];
@@ -191,8 +202,12 @@ mod tests {
         for (&(start, n), &nb) in seqs.iter().zip(&num_blocks_per_seq) {
             let table: Vec<u32> = (0..nb).map(|_| free.pop().unwrap()).collect();
             let len = start + n;
-            let dk: Vec<f32> = (0..len * kv_heads * hd).map(|_| rng.random_range(-2.0..2.0)).collect();
-            let dv: Vec<f32> = (0..len * kv_heads * hd).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let dk: Vec<f32> = (0..len * kv_heads * hd)
+                .map(|_| rng.random_range(-2.0..2.0))
+                .collect();
+            let dv: Vec<f32> = (0..len * kv_heads * hd)
+                .map(|_| rng.random_range(-2.0..2.0))
+                .collect();
             for p in 0..len {
                 for h in 0..kv_heads {
                     let dst = ((table[p / block_size] as usize * kv_heads + h) * block_size
@@ -208,7 +223,9 @@ mod tests {
             dense_v.push(dv);
         }
         let tokens: usize = seqs.iter().map(|s| s.1).sum();
-        let q: Vec<f32> = (0..tokens * heads * hd).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let q: Vec<f32> = (0..tokens * heads * hd)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let attn_seqs: Vec<AttentionSeq> = seqs
             .iter()
@@ -228,7 +245,7 @@ mod tests {
         };
         let mut out = vec![f32::NAN; q.len()];
         paged_attention(&q, heads, &kv, &attn_seqs, scale, &mut out);
-        let want = reference(&q, &dense_k, &dense_v, seqs, heads, kv_heads, hd, scale);
+        let want = reference(&q, (&dense_k, &dense_v), seqs, (heads, kv_heads, hd), scale);
         let max_err = out
             .iter()
             .zip(&want)

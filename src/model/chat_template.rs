@@ -56,7 +56,10 @@ impl ChatTemplate {
         if messages.is_empty() {
             return Err(ModelError::Template("no messages to render".into()));
         }
-        let template = self.env.get_template("chat").map_err(|e| ModelError::Template(e.to_string()))?;
+        let template = self
+            .env
+            .get_template("chat")
+            .map_err(|e| ModelError::Template(e.to_string()))?;
         template
             .render(minijinja::context! {
                 messages => Value::from_serialize(messages),
@@ -78,7 +81,13 @@ mod tests {
     fn chatml_template_renders_with_generation_prompt() {
         let t = ChatTemplate::new(CHATML, None, None).unwrap();
         let out = t
-            .render(&[ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")], true)
+            .render(
+                &[
+                    ChatMessage::new("system", "Be brief."),
+                    ChatMessage::new("user", "Hi"),
+                ],
+                true,
+            )
             .unwrap();
         assert_eq!(
             out,
@@ -88,14 +97,26 @@ mod tests {
 
     #[test]
     fn python_string_methods_work() {
-        let t = ChatTemplate::new("{{ messages[0]['content'].strip().upper() }}{{ eos_token }}", None, Some("</s>")).unwrap();
-        assert_eq!(t.render(&[ChatMessage::new("user", "  hi ")], false).unwrap(), "HI</s>");
+        let t = ChatTemplate::new(
+            "{{ messages[0]['content'].strip().upper() }}{{ eos_token }}",
+            None,
+            Some("</s>"),
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&[ChatMessage::new("user", "  hi ")], false)
+                .unwrap(),
+            "HI</s>"
+        );
     }
 
     #[test]
     fn raise_exception_becomes_a_template_error() {
-        let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", None, None).unwrap();
-        let err = t.render(&[ChatMessage::new("user", "x")], true).unwrap_err();
+        let t =
+            ChatTemplate::new("{{ raise_exception('roles must alternate') }}", None, None).unwrap();
+        let err = t
+            .render(&[ChatMessage::new("user", "x")], true)
+            .unwrap_err();
         assert!(err.to_string().contains("roles must alternate"), "{err}");
     }
 

@@ -82,7 +82,7 @@ impl ModelConfig {
                 return bad(key, "must be positive".into());
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(
                 "num_kv_heads",
                 format!(
@@ -91,10 +91,14 @@ impl ModelConfig {
                 ),
             );
         }
-        if self.head_dim % 2 != 0 {
-            return bad("head_dim", format!("{} is odd; rotary needs pairs", self.head_dim));
+        if !self.head_dim.is_multiple_of(2) {
+            return bad(
+                "head_dim",
+                format!("{} is odd; rotary needs pairs", self.head_dim),
+            );
         }
-        if !(self.rms_norm_eps > 0.0) || !(self.rope_theta > 0.0) {
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !positive(self.rms_norm_eps) || !positive(self.rope_theta as f64) {
             return bad("rms_norm_eps/rope_theta", "must be positive".into());
         }
         Ok(())

@@ -102,8 +102,14 @@ impl DecoderLayer {
             k: Linear::load(src, &format!("{p}.attn_k"), c.kv_dim(), h, c.qkv_bias)?,
             v: Linear::load(src, &format!("{p}.attn_v"), c.kv_dim(), h, c.qkv_bias)?,
             o: Linear::load(src, &format!("{p}.attn_output"), h, c.q_dim(), false)?,
-            q_norm: c.qk_norm.then(|| head_norm(src, "attn_q_norm")).transpose()?,
-            k_norm: c.qk_norm.then(|| head_norm(src, "attn_k_norm")).transpose()?,
+            q_norm: c
+                .qk_norm
+                .then(|| head_norm(src, "attn_q_norm"))
+                .transpose()?,
+            k_norm: c
+                .qk_norm
+                .then(|| head_norm(src, "attn_k_norm"))
+                .transpose()?,
         };
         let ffn = c.intermediate_size;
         Ok(Self {
@@ -130,12 +136,23 @@ impl Model {
         let layers = (0..config.num_layers)
             .map(|i| DecoderLayer::load(&mut counting, &config, i))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(&mut counting, "output_norm.weight", config.hidden_size, config.rms_norm_eps)?;
+        let norm = RmsNorm::load(
+            &mut counting,
+            "output_norm.weight",
+            config.hidden_size,
+            config.rms_norm_eps,
+        )?;
         let lm_head = if config.tied_embeddings || !counting.contains("output.weight") {
             counting.bytes += embed.storage_bytes();
             Linear::new(embed.matmul()?, None)
         } else {
-            Linear::load(&mut counting, "output", config.vocab_size, config.hidden_size, false)?
+            Linear::load(
+                &mut counting,
+                "output",
+                config.vocab_size,
+                config.hidden_size,
+                false,
+            )?
         };
         let streamed_bytes = counting.bytes;
         let inv_freq = inverse_frequencies(config.head_dim, config.rope_theta);
@@ -166,7 +183,12 @@ impl Model {
     }
 
     /// Runs every sequence's new tokens and returns their last-position logits.
-    pub fn forward(&self, batch: &[SeqInput], kv: &mut KvCache, want_hidden: bool) -> Result<ForwardOutput> {
+    pub fn forward(
+        &self,
+        batch: &[SeqInput],
+        kv: &mut KvCache,
+        want_hidden: bool,
+    ) -> Result<ForwardOutput> {
         let c = &self.config;
         self.validate_batch(batch, kv)?;
         if batch.is_empty() {
@@ -250,7 +272,9 @@ impl Model {
         let c = &self.config;
         for (i, seq) in batch.iter().enumerate() {
             if seq.tokens.is_empty() {
-                return Err(ModelError::InvalidBatch(format!("sequence {i} brings no tokens")));
+                return Err(ModelError::InvalidBatch(format!(
+                    "sequence {i} brings no tokens"
+                )));
             }
             let end = seq.start_pos + seq.tokens.len();
             if end > c.context_length {
@@ -275,4 +299,3 @@ impl Model {
         Ok(())
     }
 }
-

@@ -134,7 +134,11 @@ impl GgufFile {
             .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
         check_dtype(name, info.ggml_dtype)?;
         let t = info
-            .read(&mut self.reader, self.content.tensor_data_offset, &self.device)
+            .read(
+                &mut self.reader,
+                self.content.tensor_data_offset,
+                &self.device,
+            )
             .map_err(|e| ModelError::Format {
                 path: self.path.clone(),
                 reason: format!("tensor '{name}': {e}"),
@@ -148,7 +152,9 @@ impl WeightSource for GgufFile {
         let t = self.read(name)?;
         check_shape(name, t.shape().dims(), &[rows, cols])?;
         Ok(match t.dtype() {
-            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => Weight::Dense(t.dequantize(&self.device)?),
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                Weight::Dense(t.dequantize(&self.device)?)
+            }
             _ => Weight::Quantized(t),
         })
     }
@@ -188,11 +194,15 @@ fn header_error(msg: &str) -> String {
 }
 
 pub(crate) fn get<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<&'a Value> {
-    md.get(key).ok_or_else(|| ModelError::MissingMetadata(key.to_string()))
+    md.get(key)
+        .ok_or_else(|| ModelError::MissingMetadata(key.to_string()))
 }
 
 pub(crate) fn get_str<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<&'a str> {
-    get(md, key)?.to_string().map(|s| s.as_str()).map_err(|e| invalid(key, e))
+    get(md, key)?
+        .to_string()
+        .map(|s| s.as_str())
+        .map_err(|e| invalid(key, e))
 }
 
 fn get_usize(md: &HashMap<String, Value>, key: &str) -> Result<usize> {
@@ -213,7 +223,12 @@ pub(crate) fn value_usize(v: &Value, key: &str) -> Result<usize> {
         Value::I32(x) => *x as i64,
         Value::U64(x) => *x as i64,
         Value::I64(x) => *x,
-        other => return Err(invalid(key, format!("expected an integer, found {:?}", other.value_type()))),
+        other => {
+            return Err(invalid(
+                key,
+                format!("expected an integer, found {:?}", other.value_type()),
+            ))
+        }
     };
     usize::try_from(n).map_err(|_| invalid(key, format!("{n} is negative")))
 }

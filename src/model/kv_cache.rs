@@ -189,7 +189,10 @@ mod tests {
         let mut table = BlockTable::default();
         cache.reserve(&mut table, 4).unwrap();
         let err = cache.reserve(&mut table, 17).unwrap_err();
-        assert!(matches!(err, ModelError::OutOfBlocks { needed: 4, free: 2 }));
+        assert!(matches!(
+            err,
+            ModelError::OutOfBlocks { needed: 4, free: 2 }
+        ));
         assert_eq!(table.blocks().len(), 1);
         assert_eq!(cache.num_free_blocks(), 2);
     }

@@ -68,7 +68,8 @@ impl LoadedModel {
         };
         let chat_template = match md.get("tokenizer.chat_template") {
             Some(v) => Some(ChatTemplate::new(
-                v.to_string().map_err(|e| ModelError::Template(e.to_string()))?,
+                v.to_string()
+                    .map_err(|e| ModelError::Template(e.to_string()))?,
                 special.bos_text.as_deref(),
                 special.eos_text.as_deref(),
             )?),
@@ -104,7 +105,11 @@ impl LoadedModel {
             eos_text: eos_text.clone(),
         };
         let chat_template = match tc.chat_template {
-            Some(src) => Some(ChatTemplate::new(&src, bos_text.as_deref(), eos_text.as_deref())?),
+            Some(src) => Some(ChatTemplate::new(
+                &src,
+                bos_text.as_deref(),
+                eos_text.as_deref(),
+            )?),
             None => None,
         };
         let model = Model::load(config, &mut st, device)?;

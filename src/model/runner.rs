@@ -48,10 +48,17 @@ impl Sequence {
 
 /// One forward pass over every sequence's not-yet-computed tokens (prefill, extend or decode),
 /// reserving their KV blocks first. Row `i` of the logits belongs to `seqs[i]`.
-pub fn step(model: &Model, kv: &mut KvCache, seqs: &mut [&mut Sequence], want_hidden: bool) -> Result<ForwardOutput> {
+pub fn step(
+    model: &Model,
+    kv: &mut KvCache,
+    seqs: &mut [&mut Sequence],
+    want_hidden: bool,
+) -> Result<ForwardOutput> {
     for s in seqs.iter_mut() {
         if s.computed >= s.tokens.len() {
-            return Err(ModelError::InvalidBatch("a sequence has no new tokens".into()));
+            return Err(ModelError::InvalidBatch(
+                "a sequence has no new tokens".into(),
+            ));
         }
         kv.reserve(&mut s.table, s.tokens.len())?;
     }
@@ -132,7 +139,15 @@ pub fn generate(
     let mut sampler = Sampler::new(req.params)?;
     let max_tokens = req.max_tokens.min(limit - req.prompt.len());
     let mut seq = Sequence::new(req.prompt);
-    let result = run_generation(model, kv, &mut seq, &mut sampler, max_tokens, req.stop_ids, &mut on_token);
+    let result = run_generation(
+        model,
+        kv,
+        &mut seq,
+        &mut sampler,
+        max_tokens,
+        req.stop_ids,
+        &mut on_token,
+    );
     seq.release(kv);
     let stats = result?;
     Ok((seq.output().to_vec(), stats))

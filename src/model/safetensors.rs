@@ -74,10 +74,11 @@ impl SafetensorsDir {
         }
         let mut tensors = HashMap::new();
         for file in &files {
-            let loaded = candle_core::safetensors::load(file, device).map_err(|e| ModelError::Format {
-                path: file.clone(),
-                reason: e.to_string(),
-            })?;
+            let loaded =
+                candle_core::safetensors::load(file, device).map_err(|e| ModelError::Format {
+                    path: file.clone(),
+                    reason: e.to_string(),
+                })?;
             tensors.extend(loaded);
         }
         Ok(Self {
@@ -121,7 +122,9 @@ impl SafetensorsDir {
             .get(&name)
             .ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
         match t.dtype() {
-            DType::F32 | DType::F16 | DType::BF16 => Ok(t.to_dtype(DType::F32)?.to_device(&self.device)?),
+            DType::F32 | DType::F16 | DType::BF16 => {
+                Ok(t.to_dtype(DType::F32)?.to_device(&self.device)?)
+            }
             other => Err(ModelError::UnsupportedQuant {
                 tensor: name,
                 dtype: format!("{other:?}"),
@@ -184,9 +187,18 @@ mod tests {
 
     #[test]
     fn gguf_names_map_to_hugging_face_names() {
-        assert_eq!(hf_name("blk.3.attn_q.bias"), "model.layers.3.self_attn.q_proj.bias");
-        assert_eq!(hf_name("blk.0.ffn_down.weight"), "model.layers.0.mlp.down_proj.weight");
-        assert_eq!(hf_name("blk.11.attn_k_norm.weight"), "model.layers.11.self_attn.k_norm.weight");
+        assert_eq!(
+            hf_name("blk.3.attn_q.bias"),
+            "model.layers.3.self_attn.q_proj.bias"
+        );
+        assert_eq!(
+            hf_name("blk.0.ffn_down.weight"),
+            "model.layers.0.mlp.down_proj.weight"
+        );
+        assert_eq!(
+            hf_name("blk.11.attn_k_norm.weight"),
+            "model.layers.11.self_attn.k_norm.weight"
+        );
         assert_eq!(hf_name("token_embd.weight"), "model.embed_tokens.weight");
         assert_eq!(hf_name("output.weight"), "lm_head.weight");
     }

@@ -165,7 +165,11 @@ impl Sampler {
                 }
             }
             for (l, _) in logits.iter_mut().zip(&seen).filter(|(_, s)| **s) {
-                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                *l = if *l > 0.0 {
+                    *l / p.repetition_penalty
+                } else {
+                    *l * p.repetition_penalty
+                };
             }
         }
         if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
@@ -217,7 +221,9 @@ mod tests {
         };
         let draw = |params: &SamplingParams| {
             let mut s = sampler(params.clone());
-            (0..20).map(|_| s.sample(&logits, &[], &[])).collect::<Vec<_>>()
+            (0..20)
+                .map(|_| s.sample(&logits, &[], &[]))
+                .collect::<Vec<_>>()
         };
         assert_eq!(draw(&params), draw(&params));
         let other = SamplingParams {
@@ -275,7 +281,9 @@ mod tests {
             ..SamplingParams::default()
         });
         let logits = [0.0f32, (3.0f32).ln()];
-        let ones = (0..4000).filter(|_| s.sample(&logits, &[], &[]) == 1).count();
+        let ones = (0..4000)
+            .filter(|_| s.sample(&logits, &[], &[]) == 1)
+            .count();
         // Expected 3000 (p = 0.75); 5 standard deviations is ±137.
         assert!((2863..=3137).contains(&ones), "{ones}");
     }

@@ -19,9 +19,26 @@ use super::safetensors::hf_name;
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
 const MERGES: &[(&str, &str)] = &[
-    ("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġt", "he"),
-    ("r", "e"), ("Ġ", "s"), ("a", "n"), ("Ġ", "w"), ("o", "u"), ("Ġ", "c"), ("i", "s"),
-    ("e", "n"), ("Ġ", "o"), ("Ġ", "b"), ("e", "d"), ("n", "d"), ("Ġa", "nd"),
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("i", "n"),
+    ("Ġ", "a"),
+    ("e", "r"),
+    ("o", "n"),
+    ("Ġt", "he"),
+    ("r", "e"),
+    ("Ġ", "s"),
+    ("a", "n"),
+    ("Ġ", "w"),
+    ("o", "u"),
+    ("Ġ", "c"),
+    ("i", "s"),
+    ("e", "n"),
+    ("Ġ", "o"),
+    ("Ġ", "b"),
+    ("e", "d"),
+    ("n", "d"),
+    ("Ġa", "nd"),
 ];
 const SPECIAL: &[&str] = &["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 
@@ -104,12 +121,21 @@ fn tokenizer_metadata() -> Vec<(String, Value)> {
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), Value::String("qwen2".into())),
         ("tokenizer.ggml.tokens".into(), strings(tokens)),
-        ("tokenizer.ggml.merges".into(), strings(MERGES.iter().map(|(a, b)| format!("{a} {b}")).collect())),
-        ("tokenizer.ggml.token_type".into(), Value::Array(types.into_iter().map(Value::I32).collect())),
+        (
+            "tokenizer.ggml.merges".into(),
+            strings(MERGES.iter().map(|(a, b)| format!("{a} {b}")).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.into_iter().map(Value::I32).collect()),
+        ),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
         ("tokenizer.ggml.bos_token_id".into(), Value::U32(eos - 2)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
-        ("tokenizer.chat_template".into(), Value::String(CHATML_TEMPLATE.into())),
+        (
+            "tokenizer.chat_template".into(),
+            Value::String(CHATML_TEMPLATE.into()),
+        ),
     ]
 }
 
@@ -119,19 +145,33 @@ fn random_weights(spec: &TinySpec) -> Result<Vec<(String, Tensor)>> {
     let dev = Device::Cpu;
     let mut uniform = |shape: &[usize], scale: f32, center: f32| -> Result<Tensor> {
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = (0..n).map(|_| center + scale * rng.random_range(-1.0f32..1.0)).collect();
+        let data: Vec<f32> = (0..n)
+            .map(|_| center + scale * rng.random_range(-1.0f32..1.0))
+            .collect();
         Ok(Tensor::from_vec(data, shape, &dev)?)
     };
     let (h, f, hd) = (spec.hidden_size, spec.intermediate_size, spec.head_dim());
     let (q, kv) = (spec.num_heads * hd, spec.num_kv_heads * hd);
-    let mut out = vec![("token_embd.weight".to_string(), uniform(&[spec.vocab_size(), h], 1.0, 0.0)?)];
+    let mut out = vec![(
+        "token_embd.weight".to_string(),
+        uniform(&[spec.vocab_size(), h], 1.0, 0.0)?,
+    )];
     for i in 0..spec.num_layers {
         let p = format!("blk.{i}");
         let mut push = |name: &str, t: Tensor| out.push((format!("{p}.{name}"), t));
         push("attn_norm.weight", uniform(&[h], 0.1, 1.0)?);
-        push("attn_q.weight", uniform(&[q, h], 1.5 / (h as f32).sqrt(), 0.0)?);
-        push("attn_k.weight", uniform(&[kv, h], 1.5 / (h as f32).sqrt(), 0.0)?);
-        push("attn_v.weight", uniform(&[kv, h], 1.5 / (h as f32).sqrt(), 0.0)?);
+        push(
+            "attn_q.weight",
+            uniform(&[q, h], 1.5 / (h as f32).sqrt(), 0.0)?,
+        );
+        push(
+            "attn_k.weight",
+            uniform(&[kv, h], 1.5 / (h as f32).sqrt(), 0.0)?,
+        );
+        push(
+            "attn_v.weight",
+            uniform(&[kv, h], 1.5 / (h as f32).sqrt(), 0.0)?,
+        );
         if spec.architecture == Architecture::Qwen2 {
             push("attn_q.bias", uniform(&[q], 0.1, 0.0)?);
             push("attn_k.bias", uniform(&[kv], 0.1, 0.0)?);
@@ -141,15 +181,30 @@ fn random_weights(spec: &TinySpec) -> Result<Vec<(String, Tensor)>> {
             push("attn_q_norm.weight", uniform(&[hd], 0.1, 1.0)?);
             push("attn_k_norm.weight", uniform(&[hd], 0.1, 1.0)?);
         }
-        push("attn_output.weight", uniform(&[h, q], 1.0 / (q as f32).sqrt(), 0.0)?);
+        push(
+            "attn_output.weight",
+            uniform(&[h, q], 1.0 / (q as f32).sqrt(), 0.0)?,
+        );
         push("ffn_norm.weight", uniform(&[h], 0.1, 1.0)?);
-        push("ffn_gate.weight", uniform(&[f, h], 1.5 / (h as f32).sqrt(), 0.0)?);
-        push("ffn_up.weight", uniform(&[f, h], 1.5 / (h as f32).sqrt(), 0.0)?);
-        push("ffn_down.weight", uniform(&[h, f], 1.0 / (f as f32).sqrt(), 0.0)?);
+        push(
+            "ffn_gate.weight",
+            uniform(&[f, h], 1.5 / (h as f32).sqrt(), 0.0)?,
+        );
+        push(
+            "ffn_up.weight",
+            uniform(&[f, h], 1.5 / (h as f32).sqrt(), 0.0)?,
+        );
+        push(
+            "ffn_down.weight",
+            uniform(&[h, f], 1.0 / (f as f32).sqrt(), 0.0)?,
+        );
     }
     out.push(("output_norm.weight".into(), uniform(&[h], 0.1, 1.0)?));
     if !spec.tied_embeddings {
-        out.push(("output.weight".into(), uniform(&[spec.vocab_size(), h], 2.0 / (h as f32).sqrt(), 0.0)?));
+        out.push((
+            "output.weight".into(),
+            uniform(&[spec.vocab_size(), h], 2.0 / (h as f32).sqrt(), 0.0)?,
+        ));
     }
     Ok(out)
 }
@@ -166,17 +221,47 @@ pub fn write_gguf(spec: &TinySpec, path: &Path, matrix_types: &[GgmlDType]) -> R
     let arch = spec.architecture.name();
     let mut md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
-        (format!("{arch}.block_count"), Value::U32(spec.num_layers as u32)),
-        (format!("{arch}.context_length"), Value::U32(spec.context_length as u32)),
-        (format!("{arch}.embedding_length"), Value::U32(spec.hidden_size as u32)),
-        (format!("{arch}.feed_forward_length"), Value::U32(spec.intermediate_size as u32)),
-        (format!("{arch}.attention.head_count"), Value::U32(spec.num_heads as u32)),
-        (format!("{arch}.attention.head_count_kv"), Value::U32(spec.num_kv_heads as u32)),
-        (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        (
+            format!("{arch}.block_count"),
+            Value::U32(spec.num_layers as u32),
+        ),
+        (
+            format!("{arch}.context_length"),
+            Value::U32(spec.context_length as u32),
+        ),
+        (
+            format!("{arch}.embedding_length"),
+            Value::U32(spec.hidden_size as u32),
+        ),
+        (
+            format!("{arch}.feed_forward_length"),
+            Value::U32(spec.intermediate_size as u32),
+        ),
+        (
+            format!("{arch}.attention.head_count"),
+            Value::U32(spec.num_heads as u32),
+        ),
+        (
+            format!("{arch}.attention.head_count_kv"),
+            Value::U32(spec.num_kv_heads as u32),
+        ),
+        (
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-6),
+        ),
         (format!("{arch}.rope.freq_base"), Value::F32(10_000.0)),
-        (format!("{arch}.rope.dimension_count"), Value::U32(spec.head_dim() as u32)),
-        (format!("{arch}.attention.key_length"), Value::U32(spec.head_dim() as u32)),
-        (format!("{arch}.attention.value_length"), Value::U32(spec.head_dim() as u32)),
+        (
+            format!("{arch}.rope.dimension_count"),
+            Value::U32(spec.head_dim() as u32),
+        ),
+        (
+            format!("{arch}.attention.key_length"),
+            Value::U32(spec.head_dim() as u32),
+        ),
+        (
+            format!("{arch}.attention.value_length"),
+            Value::U32(spec.head_dim() as u32),
+        ),
         // Tells readers that compute in the checkpoint's dtype to use f32.
         ("general.dtype".into(), Value::U32(0)),
     ];
@@ -231,7 +316,9 @@ pub fn write_hf_dir(spec: &TinySpec, dir: &Path, dtype: DType) -> Result<()> {
     let (tokenizer, _) = super::tokenizer::from_gguf_metadata(&md)?;
     write(
         "tokenizer.json",
-        tokenizer.to_string(false).map_err(|e| ModelError::Tokenizer(e.to_string()))?,
+        tokenizer
+            .to_string(false)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?,
     )?;
     let tc = serde_json::json!({
         "chat_template": CHATML_TEMPLATE,

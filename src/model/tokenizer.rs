@@ -50,7 +50,11 @@ fn string_array<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<Vec<&'a
     };
     items
         .iter()
-        .map(|v| v.to_string().map(|s| s.as_str()).map_err(|_| tok_err(format!("'{key}' holds a non-string"))))
+        .map(|v| {
+            v.to_string()
+                .map(|s| s.as_str())
+                .map_err(|_| tok_err(format!("'{key}' holds a non-string")))
+        })
         .collect()
 }
 
@@ -62,7 +66,11 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
             false,
         )
         .map_err(tok_err)?;
-        Ok(Sequence::new(vec![split.into(), ByteLevel::new(false, false, false).into()]).into())
+        Ok(Sequence::new(vec![
+            split.into(),
+            ByteLevel::new(false, false, false).into(),
+        ])
+        .into())
     };
     match pre {
         "qwen2" | "deepseek-r1-qwen" => split(QWEN2_PATTERN),
@@ -119,7 +127,10 @@ pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<(Tokenizer, Spe
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
 
     let types: Vec<i64> = match md.get("tokenizer.ggml.token_type") {
-        Some(Value::Array(v)) => v.iter().map(|t| t.to_i32().map(i64::from).unwrap_or(1)).collect(),
+        Some(Value::Array(v)) => v
+            .iter()
+            .map(|t| t.to_i32().map(i64::from).unwrap_or(1))
+            .collect(),
         _ => vec![1; tokens.len()],
     };
     let mut special = Vec::new();
@@ -127,7 +138,9 @@ pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<(Tokenizer, Spe
     for (tok, ty) in tokens.iter().zip(&types) {
         match *ty {
             TOKEN_TYPE_CONTROL => special.push(AddedToken::from(tok.to_string(), true)),
-            TOKEN_TYPE_USER_DEFINED => added.push(AddedToken::from(tok.to_string(), false).normalized(false)),
+            TOKEN_TYPE_USER_DEFINED => {
+                added.push(AddedToken::from(tok.to_string(), false).normalized(false))
+            }
             _ => {}
         }
     }
@@ -135,11 +148,16 @@ pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<(Tokenizer, Spe
     tokenizer.add_tokens(&added);
 
     let id = |key: &str| -> Result<Option<u32>> {
-        md.get(key).map(|v| value_usize(v, key).map(|x| x as u32)).transpose()
+        md.get(key)
+            .map(|v| value_usize(v, key).map(|x| x as u32))
+            .transpose()
     };
     let bos = id("tokenizer.ggml.bos_token_id")?;
     let eos = id("tokenizer.ggml.eos_token_id")?;
-    let text = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).map(|s| s.to_string());
+    let text = |id: Option<u32>| {
+        id.and_then(|i| tokens.get(i as usize))
+            .map(|s| s.to_string())
+    };
     let add_bos = md
         .get("tokenizer.ggml.add_bos_token")
         .and_then(|v| v.to_bool().ok())
@@ -200,7 +218,10 @@ impl IncrementalDecoder {
         let full = tokenizer
             .decode(&self.tokens[self.prefix_offset..], true)
             .map_err(tok_err)?;
-        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prefix.len())
+        {
             let new = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = self.tokens.len();

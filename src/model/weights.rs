@@ -55,7 +55,13 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn load(src: &mut dyn WeightSource, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
+    pub fn load(
+        src: &mut dyn WeightSource,
+        name: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<Self> {
         let weight = src.matrix(&format!("{name}.weight"), out, inp)?.matmul()?;
         let bias = if bias {
             Some(src.vector(&format!("{name}.bias"), out)?)

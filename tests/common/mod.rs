@@ -39,7 +39,8 @@ pub fn real_model(name: &str) -> PathBuf {
 }
 
 pub fn load(path: &std::path::Path) -> LoadedModel {
-    LoadedModel::load(path, &Device::Cpu).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
+    LoadedModel::load(path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
 }
 
 /// Our decoder behind the "whole context in, next-token logits out" interface.
@@ -79,7 +80,10 @@ impl<F: FnMut(&Tensor, usize) -> candle_core::Result<Tensor>> Reference<F> {
 
     pub fn next_logits(&mut self, context: &[u32]) -> Vec<f32> {
         let new = &context[self.pos..];
-        let input = Tensor::new(new, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let input = Tensor::new(new, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         let logits = (self.forward)(&input, self.pos).unwrap();
         self.pos = context.len();
         logits.flatten_all().unwrap().to_vec1::<f32>().unwrap()
@@ -125,7 +129,11 @@ pub fn compare_greedy(
         let a = ours(&context);
         let b = reference(&context);
         assert_eq!(a.len(), b.len(), "{label}: vocabulary sizes differ");
-        let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let diff = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
         max_abs_diff = max_abs_diff.max(diff);
         diffs.push(format!("{diff:.4}"));
         let (ta, tb) = (argmax(&a), argmax(&b));
@@ -141,7 +149,9 @@ pub fn compare_greedy(
         context.push(tb);
     }
     println!("{label}: max |logit diff| per step: [{}]", diffs.join(", "));
-    println!("{label}: max |logit diff| overall {max_abs_diff:.5}, {divergences} near-tie divergences");
+    println!(
+        "{label}: max |logit diff| overall {max_abs_diff:.5}, {divergences} near-tie divergences"
+    );
     Comparison {
         tokens: context[prompt.len()..].to_vec(),
         max_abs_diff,
@@ -151,7 +161,12 @@ pub fn compare_greedy(
 
 /// Greedy tokens and per-step logits of each prompt, run together. Prompt `i` joins the batch
 /// at step `join[i]` and then decodes `steps` tokens.
-pub fn greedy_together(model: &Model, prompts: &[Vec<u32>], join: &[usize], steps: usize) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
+pub fn greedy_together(
+    model: &Model,
+    prompts: &[Vec<u32>],
+    join: &[usize],
+    steps: usize,
+) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
     let capacity: usize = prompts.iter().map(|p| p.len() + steps + 16).sum();
     let mut kv = KvCache::with_capacity(model.config(), 16, capacity).unwrap();
     let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
@@ -178,17 +193,26 @@ pub fn greedy_together(model: &Model, prompts: &[Vec<u32>], join: &[usize], step
             logits[i].push(l);
         }
     }
-    seqs.iter().zip(logits).map(|(s, l)| (s.output().to_vec(), l)).collect()
+    seqs.iter()
+        .zip(logits)
+        .map(|(s, l)| (s.output().to_vec(), l))
+        .collect()
 }
 
 /// Compares batched against alone; a divergence is accepted only at a near-tie, after which
 /// the two runs continue from different contexts and are not compared further.
-pub fn check_batch_invariance(model: &Model, prompts: &[Vec<u32>], steps: usize, tie_tolerance: f32) -> f32 {
+pub fn check_batch_invariance(
+    model: &Model,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    tie_tolerance: f32,
+) -> f32 {
     let join: Vec<usize> = (0..prompts.len()).map(|i| i * 2).collect();
     let together = greedy_together(model, prompts, &join, steps);
     let mut max_diff = 0f32;
     for (i, prompt) in prompts.iter().enumerate() {
-        let (alone_tokens, alone_logits) = greedy_together(model, std::slice::from_ref(prompt), &[0], steps).remove(0);
+        let (alone_tokens, alone_logits) =
+            greedy_together(model, std::slice::from_ref(prompt), &[0], steps).remove(0);
         let (tokens, logits) = &together[i];
         for s in 0..steps {
             let d = alone_logits[s]
@@ -214,9 +238,12 @@ pub fn check_batch_invariance(model: &Model, prompts: &[Vec<u32>], steps: usize,
     max_diff
 }
 
-
-/// A fresh reference model, behind the "whole context in, logits out" interface.
-pub type ReferenceFactory<'a> = dyn FnMut() -> Box<dyn FnMut(&[u32]) -> Vec<f32>> + 'a;
+/// A model behind the "whole context in, next-token logits out" interface.
+pub type LogitsFn = Box<dyn FnMut(&[u32]) -> Vec<f32>>;
+/// candle-transformers' `forward(input [1, n], index_pos)`.
+pub type CandleForward = Box<dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>>;
+/// Makes a fresh reference model.
+pub type ReferenceFactory<'a> = dyn FnMut() -> LogitsFn + 'a;
 
 /// Greedy decoding of `steps` tokens after each chat prompt, ours against a fresh reference.
 pub fn check_against_reference(
@@ -235,7 +262,14 @@ pub fn check_against_reference(
         let mut ours = Ours::new(&lm.model, ids.len() + steps + 16);
         let mut reference = make_reference();
         let label = format!("{name} prompt {i}");
-        let cmp = compare_greedy(&label, &ids, steps, tie_tolerance, |c| ours.next_logits(c), |c| reference(c));
+        let cmp = compare_greedy(
+            &label,
+            &ids,
+            steps,
+            tie_tolerance,
+            |c| ours.next_logits(c),
+            |c| reference(c),
+        );
         assert!(
             cmp.max_abs_diff < max_logit_diff,
             "{label}: max logit difference {} exceeds {max_logit_diff}",
@@ -245,24 +279,37 @@ pub fn check_against_reference(
     }
 }
 
-/// candle-transformers' GGUF model for `name` (qwen2 or llama architecture).
-pub fn candle_reference(name: &str) -> Box<dyn FnMut(&[u32]) -> Vec<f32>> {
-    use candle_transformers::models::{quantized_llama, quantized_qwen2};
-    let path = real_model(name);
-    let mut file = std::fs::File::open(&path).unwrap();
+/// candle-transformers' GGUF model for the fetched real model `name`.
+pub fn candle_reference(name: &str) -> LogitsFn {
+    candle_gguf_model(&real_model(name))
+}
+
+/// candle-transformers' own GGUF implementation of the architecture in `path`.
+pub fn candle_gguf_model(path: &std::path::Path) -> LogitsFn {
+    use candle_transformers::models::{quantized_llama, quantized_qwen2, quantized_qwen3};
+    let mut file = std::fs::File::open(path).unwrap();
     let ct = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
-    let arch = ct.metadata["general.architecture"].to_string().unwrap().clone();
-    let mut r: Reference<Box<dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>>> = match arch.as_str() {
+    let arch = ct.metadata["general.architecture"]
+        .to_string()
+        .unwrap()
+        .clone();
+    let dev = Device::Cpu;
+    let forward: CandleForward = match arch.as_str() {
         "qwen2" => {
-            let mut m = quantized_qwen2::ModelWeights::from_gguf(ct, &mut file, &Device::Cpu).unwrap();
-            Reference::new(Box::new(move |x, p| m.forward(x, p)))
+            let mut m = quantized_qwen2::ModelWeights::from_gguf(ct, &mut file, &dev).unwrap();
+            Box::new(move |x, p| m.forward(x, p))
         }
         "llama" => {
-            let mut m = quantized_llama::ModelWeights::from_gguf(ct, &mut file, &Device::Cpu).unwrap();
-            Reference::new(Box::new(move |x, p| m.forward(x, p)))
+            let mut m = quantized_llama::ModelWeights::from_gguf(ct, &mut file, &dev).unwrap();
+            Box::new(move |x, p| m.forward(x, p))
+        }
+        "qwen3" => {
+            let mut m = quantized_qwen3::ModelWeights::from_gguf(ct, &mut file, &dev).unwrap();
+            Box::new(move |x, p| m.forward(x, p))
         }
         other => panic!("no reference for {other}"),
     };
+    let mut r = Reference::new(forward);
     Box::new(move |ctx| r.next_logits(ctx))
 }
 
