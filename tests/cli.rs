@@ -270,3 +270,87 @@ fn invalid_sampling_flag_names_the_parameter() {
     ]);
     assert_fails_with(&out, "top_p");
 }
+
+#[test]
+fn hugging_face_directory_problems_are_clear_errors() {
+    use tokenrouter::model::tiny::write_hf_dir;
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    write_hf_dir(
+        &TinySpec::new(Architecture::Llama),
+        &hf,
+        candle_core::DType::F16,
+    )
+    .unwrap();
+    let run = || {
+        tokenrouter(&[
+            "generate",
+            "--model",
+            hf.to_str().unwrap(),
+            "--prompt",
+            "the",
+            "--max-tokens",
+            "4",
+        ])
+    };
+    assert!(
+        run().status.success(),
+        "{}",
+        String::from_utf8_lossy(&run().stderr)
+    );
+
+    std::fs::write(hf.join("config.json"), "{\"model_type\": \"llama\"").unwrap();
+    assert_fails_with(&run(), "config.json");
+
+    std::fs::remove_file(hf.join("model.safetensors")).unwrap();
+    assert_fails_with(&run(), "no *.safetensors");
+}
+
+#[test]
+fn a_configured_model_name_resolves_through_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny(dir.path());
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        "[[models]]\nname = \"small\"\npath = \"tiny.gguf\"\n",
+    )
+    .unwrap();
+    let cfg = config.to_str().unwrap();
+    let out = tokenrouter(&[
+        "generate",
+        "--config",
+        cfg,
+        "--model",
+        "small",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = tokenrouter(&[
+        "generate", "--config", cfg, "--model", "large", "--prompt", "hi",
+    ]);
+    assert_fails_with(&out, "names: small");
+}
+
+#[test]
+fn unavailable_device_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let out = tokenrouter(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--device",
+        "tpu",
+    ]);
+    assert_fails_with(&out, "--device 'tpu'");
+}

@@ -177,3 +177,40 @@ fn hf_directory_and_gguf_of_the_same_weights_agree() {
     let lb = Ours::new(&b.model, 64).next_logits(&prompt);
     assert_eq!(la, lb);
 }
+
+#[test]
+fn hidden_state_is_the_final_normed_state_the_lm_head_reads() {
+    use candle_core::Tensor;
+    use tokenrouter::model::runner::{step, Sequence};
+    use tokenrouter::model::KvCache;
+    // f32 Llama with tied embeddings: logits = hidden · embeddingᵀ exactly.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tied.gguf");
+    let spec = TinySpec::new(Architecture::Llama);
+    write_gguf(&spec, &path, &[GgmlDType::F32]).unwrap();
+    let lm = LoadedModel::load(&path, &Device::Cpu).unwrap();
+    let mut kv = KvCache::with_capacity(lm.model.config(), 16, 128).unwrap();
+    let mut a = Sequence::new(vec![5, 6, 7]);
+    let mut b = Sequence::new(vec![9]);
+    let out = step(&lm.model, &mut kv, &mut [&mut a, &mut b], true).unwrap();
+    let hidden = out.hidden.unwrap();
+    assert_eq!(hidden.dims(), &[2, spec.hidden_size]);
+
+    let mut file = std::fs::File::open(&path).unwrap();
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
+    let embed = ct
+        .tensor(&mut file, "token_embd.weight", &Device::Cpu)
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap();
+    let logits: Tensor = hidden.matmul(&embed.t().unwrap()).unwrap();
+    let diff = (logits - &out.logits)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 1e-4, "hidden · Eᵀ differs from the logits by {diff}");
+}

@@ -53,6 +53,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             model.config().context_length
         );
     }
+    warm_up(model)?;
     let bandwidth = read_bandwidth();
     let roofline = bandwidth / model.streamed_weight_bytes() as f64;
     let name = lm
@@ -143,6 +144,17 @@ fn measure(model: &Model, batch: usize, args: &BenchArgs) -> anyhow::Result<Row>
         prefill_tok_s: (batch * args.prompt_len) as f64 / prefill,
         decode_tok_s: (batch * args.decode_steps) as f64 / decode,
     })
+}
+
+/// One prefill and one decode step before timing: weight repacking and thread-pool start-up
+/// happen lazily on first use and would otherwise be charged to the first batch size.
+fn warm_up(model: &Model) -> anyhow::Result<()> {
+    let mut kv = KvCache::with_capacity(model.config(), 16, 32)?;
+    let mut seq = Sequence::new(vec![1, 2, 3, 4]);
+    step(model, &mut kv, &mut [&mut seq], false)?;
+    seq.tokens.push(5);
+    step(model, &mut kv, &mut [&mut seq], false)?;
+    Ok(())
 }
 
 /// Best-of-five read bandwidth in bytes/s over a buffer far larger than the caches, read with

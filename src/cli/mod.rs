@@ -43,6 +43,25 @@ struct ModelArg {
     /// Config file consulted when --model is a name.
     #[arg(long, env = "TOKENROUTER_CONFIG", default_value = "config.toml")]
     config: PathBuf,
+    /// `cpu`, or `cuda:N` in a build with the `cuda` feature.
+    #[arg(long, env = "TOKENROUTER_DEVICE", default_value = "cpu")]
+    device: String,
+}
+
+/// Parses `cpu` / `cuda` / `cuda:N`.
+fn parse_device(spec: &str) -> anyhow::Result<candle_core::Device> {
+    let cuda_ordinal = match spec {
+        "cpu" => return Ok(candle_core::Device::Cpu),
+        "cuda" => 0,
+        _ => match spec.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => n,
+            _ => anyhow::bail!("--device '{spec}' is not cpu, cuda or cuda:N"),
+        },
+    };
+    if !cfg!(feature = "cuda") {
+        anyhow::bail!("--device {spec}: this binary was built without the `cuda` feature (cargo build --features cuda)");
+    }
+    Ok(candle_core::Device::new_cuda(cuda_ordinal)?)
 }
 
 impl ModelArg {
@@ -66,9 +85,9 @@ impl ModelArg {
         }
     }
 
-    /// Loads the model on the CPU, naming the path in any error.
+    /// Loads the model on the chosen device, naming the path in any error.
     fn load(&self) -> anyhow::Result<tokenrouter::model::LoadedModel> {
-        let device = candle_core::Device::Cpu;
+        let device = parse_device(&self.device)?;
         Ok(tokenrouter::model::LoadedModel::load(
             &self.path()?,
             &device,

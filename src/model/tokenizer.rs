@@ -96,25 +96,7 @@ pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<(Tokenizer, Spe
         )));
     }
     let tokens = string_array(md, "tokenizer.ggml.tokens")?;
-    let merges: Vec<(String, String)> = string_array(md, "tokenizer.ggml.merges")?
-        .into_iter()
-        .map(|m| {
-            m.split_once(' ')
-                .map(|(a, b)| (a.to_string(), b.to_string()))
-                .ok_or_else(|| tok_err(format!("merge '{m}' has no space")))
-        })
-        .collect::<Result<_>>()?;
-    let vocab: tokenizers::models::bpe::Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.to_string(), i as u32))
-        .collect();
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .ignore_merges(false)
-        .build()
-        .map_err(tok_err)?;
-    let mut tokenizer = Tokenizer::new(bpe);
+    let mut tokenizer = Tokenizer::new(byte_level_bpe(md, &tokens)?);
     let pre = md
         .get("tokenizer.ggml.pre")
         .and_then(|v| v.to_string().ok())
@@ -125,27 +107,7 @@ pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<(Tokenizer, Spe
         tokenizer.with_normalizer(Some(NFC));
     }
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
-
-    let types: Vec<i64> = match md.get("tokenizer.ggml.token_type") {
-        Some(Value::Array(v)) => v
-            .iter()
-            .map(|t| t.to_i32().map(i64::from).unwrap_or(1))
-            .collect(),
-        _ => vec![1; tokens.len()],
-    };
-    let mut special = Vec::new();
-    let mut added = Vec::new();
-    for (tok, ty) in tokens.iter().zip(&types) {
-        match *ty {
-            TOKEN_TYPE_CONTROL => special.push(AddedToken::from(tok.to_string(), true)),
-            TOKEN_TYPE_USER_DEFINED => {
-                added.push(AddedToken::from(tok.to_string(), false).normalized(false))
-            }
-            _ => {}
-        }
-    }
-    tokenizer.add_special_tokens(&special);
-    tokenizer.add_tokens(&added);
+    add_marked_tokens(&mut tokenizer, md, &tokens);
 
     let id = |key: &str| -> Result<Option<u32>> {
         md.get(key)
@@ -163,15 +125,7 @@ pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<(Tokenizer, Spe
         .and_then(|v| v.to_bool().ok())
         .unwrap_or(false);
     if let (true, Some(bos_id), Some(bos_text)) = (add_bos, bos, text(bos)) {
-        let post = TemplateProcessing::builder()
-            .try_single(format!("{bos_text} $A"))
-            .map_err(tok_err)?
-            .try_pair(format!("{bos_text} $A {bos_text} $B"))
-            .map_err(tok_err)?
-            .special_tokens(vec![(bos_text.clone(), bos_id)])
-            .build()
-            .map_err(tok_err)?;
-        tokenizer.with_post_processor(Some(post));
+        tokenizer.with_post_processor(Some(bos_processor(&bos_text, bos_id)?));
     }
     let specials = SpecialTokens {
         bos,
@@ -180,6 +134,59 @@ pub fn from_gguf_metadata(md: &HashMap<String, Value>) -> Result<(Tokenizer, Spe
         eos_text: text(eos),
     };
     Ok((tokenizer, specials))
+}
+
+fn byte_level_bpe(md: &HashMap<String, Value>, tokens: &[&str]) -> Result<BPE> {
+    let merges: Vec<(String, String)> = string_array(md, "tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| tok_err(format!("merge '{m}' has no space")))
+        })
+        .collect::<Result<_>>()?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(false)
+        .build()
+        .map_err(tok_err)
+}
+
+/// Control tokens become special added tokens, user-defined ones plain added tokens, so both
+/// are matched whole in the input text.
+fn add_marked_tokens(tokenizer: &mut Tokenizer, md: &HashMap<String, Value>, tokens: &[&str]) {
+    let Some(Value::Array(types)) = md.get("tokenizer.ggml.token_type") else {
+        return;
+    };
+    let mut special = Vec::new();
+    let mut added = Vec::new();
+    for (tok, ty) in tokens.iter().zip(types) {
+        match ty.to_i32().map(i64::from) {
+            Ok(TOKEN_TYPE_CONTROL) => special.push(AddedToken::from(tok.to_string(), true)),
+            Ok(TOKEN_TYPE_USER_DEFINED) => {
+                added.push(AddedToken::from(tok.to_string(), false).normalized(false))
+            }
+            _ => {}
+        }
+    }
+    tokenizer.add_special_tokens(&special);
+    tokenizer.add_tokens(&added);
+}
+
+fn bos_processor(bos_text: &str, bos_id: u32) -> Result<TemplateProcessing> {
+    TemplateProcessing::builder()
+        .try_single(format!("{bos_text} $A"))
+        .map_err(tok_err)?
+        .try_pair(format!("{bos_text} $A {bos_text} $B"))
+        .map_err(tok_err)?
+        .special_tokens(vec![(bos_text.to_string(), bos_id)])
+        .build()
+        .map_err(tok_err)
 }
 
 /// The EOS id plus the end-of-turn markers chat models emit.

@@ -1,0 +1,75 @@
+//! Paged attention throughput: decode (one query token per sequence) over contexts of
+//! different lengths, reported as GB/s of K/V read, with a dense dot-product pass over the same
+//! bytes as the in-run baseline.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+use tokenrouter::kernels::attention::{paged_attention, AttentionSeq, PagedKv};
+
+const HEADS: usize = 14;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 64;
+const BLOCK: usize = 16;
+
+fn decode(c: &mut Criterion) {
+    let mut group = c.benchmark_group("paged_attention_decode");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    for (batch, ctx) in [(1usize, 512usize), (16, 512), (4, 4096)] {
+        let blocks_per_seq = ctx.div_ceil(BLOCK);
+        let row = KV_HEADS * BLOCK * HEAD_DIM;
+        let n_blocks = batch * blocks_per_seq;
+        let k: Vec<f32> = (0..n_blocks * row)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let v: Vec<f32> = (0..n_blocks * row)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let tables: Vec<Vec<u32>> = (0..batch)
+            .map(|s| ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect())
+            .collect();
+        let seqs: Vec<AttentionSeq> = tables
+            .iter()
+            .map(|t| AttentionSeq {
+                blocks: t,
+                start_pos: ctx - 1,
+                num_tokens: 1,
+            })
+            .collect();
+        let q: Vec<f32> = (0..batch * HEADS * HEAD_DIM)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let mut out = vec![0f32; q.len()];
+        let kv = PagedKv {
+            k: &k,
+            v: &v,
+            block_size: BLOCK,
+            num_kv_heads: KV_HEADS,
+            head_dim: HEAD_DIM,
+        };
+        let bytes = (batch * ctx * KV_HEADS * HEAD_DIM * 2 * 4) as u64;
+        group.throughput(Throughput::Bytes(bytes));
+        let id = format!("b{batch}_ctx{ctx}");
+        group.bench_with_input(BenchmarkId::new("paged", &id), &(), |bench, _| {
+            bench.iter(|| paged_attention(&q, HEADS, &kv, &seqs, 0.125, &mut out))
+        });
+        group.bench_with_input(
+            BenchmarkId::new("dense_read_baseline", &id),
+            &(),
+            |bench, _| {
+                bench.iter(|| {
+                    let s: f32 = k
+                        .par_chunks(1 << 14)
+                        .zip(v.par_chunks(1 << 14))
+                        .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>())
+                        .sum();
+                    std::hint::black_box(s)
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decode);
+criterion_main!(benches);
