@@ -10,10 +10,24 @@ use candle_core::{Device, Tensor};
 use tokenrouter::model::tiny::{write_gguf, TinySpec};
 use tokenrouter::model::Architecture;
 
+fn command() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tokenrouter"));
+    command.env("RUST_LOG", "error");
+    command
+}
+
 fn tokenrouter(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
-        .args(args)
-        .env("RUST_LOG", "error")
+    command().args(args).output().unwrap()
+}
+
+/// `tokenrouter generate --model MODEL --prompt PROMPT EXTRA...`.
+fn generate(model: impl AsRef<std::ffi::OsStr>, prompt: &str, extra: &[&str]) -> Output {
+    command()
+        .arg("generate")
+        .arg("--model")
+        .arg(model)
+        .args(["--prompt", prompt])
+        .args(extra)
         .output()
         .unwrap()
 }
@@ -50,16 +64,7 @@ fn assert_fails_with(out: &Output, needle: &str) {
 fn generate_streams_text_and_reports_throughput() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let out = tokenrouter(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "the cat",
-        "--max-tokens",
-        "8",
-        "--chat",
-    ]);
+    let out = generate(&model, "the cat", &["--max-tokens", "8", "--chat"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
@@ -74,19 +79,11 @@ fn seeded_sampling_is_reproducible_from_the_cli() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let run = |seed: &str| {
-        let out = tokenrouter(&[
-            "generate",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompt",
+        let out = generate(
+            &model,
             "and the",
-            "--max-tokens",
-            "16",
-            "--temperature",
-            "1.0",
-            "--seed",
-            seed,
-        ]);
+            &["--max-tokens", "16", "--temperature", "1.0", "--seed", seed],
+        );
         assert!(out.status.success());
         out.stdout
     };
@@ -131,13 +128,7 @@ fn bench_model_prints_json_lines() {
 
 #[test]
 fn missing_model_file_is_a_clear_error() {
-    let out = tokenrouter(&[
-        "generate",
-        "--model",
-        "/nonexistent/model.gguf",
-        "--prompt",
-        "hi",
-    ]);
+    let out = generate("/nonexistent/model.gguf", "hi", &[]);
     assert_fails_with(&out, "/nonexistent/model.gguf");
 }
 
@@ -147,23 +138,11 @@ fn truncated_model_file_is_a_clear_error() {
     let model = tiny(dir.path());
     let bytes = std::fs::read(&model).unwrap();
     std::fs::write(&model, &bytes[..bytes.len() - 1000]).unwrap();
-    let out = tokenrouter(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "hi",
-    ]);
+    let out = generate(&model, "hi", &[]);
     assert_fails_with(&out, "truncated");
     // Cut inside the header too.
     std::fs::write(&model, &bytes[..100]).unwrap();
-    let out = tokenrouter(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "hi",
-    ]);
+    let out = generate(&model, "hi", &[]);
     assert_fails_with(&out, "tiny.gguf");
 }
 
@@ -176,13 +155,7 @@ fn corrupt_model_file_is_a_clear_error() {
         b"this is not a model at all, just some text that goes on",
     )
     .unwrap();
-    let out = tokenrouter(&[
-        "generate",
-        "--model",
-        path.to_str().unwrap(),
-        "--prompt",
-        "hi",
-    ]);
+    let out = generate(&path, "hi", &[]);
     assert_fails_with(&out, "not a GGUF file");
 }
 
@@ -204,13 +177,7 @@ fn unsupported_architecture_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("falcon.gguf");
     write_custom_gguf(&path, "falcon", GgmlDType::Q8_0);
-    let out = tokenrouter(&[
-        "generate",
-        "--model",
-        path.to_str().unwrap(),
-        "--prompt",
-        "hi",
-    ]);
+    let out = generate(&path, "hi", &[]);
     assert_fails_with(&out, "unsupported architecture 'falcon'");
 }
 
@@ -230,13 +197,7 @@ fn unsupported_quant_type_is_a_clear_error() {
     );
     bytes[type_at..type_at + 4].copy_from_slice(&16u32.to_le_bytes());
     std::fs::write(&path, bytes).unwrap();
-    let out = tokenrouter(&[
-        "generate",
-        "--model",
-        path.to_str().unwrap(),
-        "--prompt",
-        "hi",
-    ]);
+    let out = generate(&path, "hi", &[]);
     assert_fails_with(&out, "ggml type id 16");
 }
 
@@ -245,13 +206,7 @@ fn prompt_longer_than_the_context_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let prompt = "zq ".repeat(400); // the tiny model's context is 256 positions
-    let out = tokenrouter(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        &prompt,
-    ]);
+    let out = generate(&model, &prompt, &[]);
     assert_fails_with(&out, "context length is 256");
 }
 
@@ -259,15 +214,7 @@ fn prompt_longer_than_the_context_is_a_clear_error() {
 fn invalid_sampling_flag_names_the_parameter() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let out = tokenrouter(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "hi",
-        "--top-p",
-        "0",
-    ]);
+    let out = generate(&model, "hi", &["--top-p", "0"]);
     assert_fails_with(&out, "top_p");
 }
 
@@ -282,17 +229,7 @@ fn hugging_face_directory_problems_are_clear_errors() {
         candle_core::DType::F16,
     )
     .unwrap();
-    let run = || {
-        tokenrouter(&[
-            "generate",
-            "--model",
-            hf.to_str().unwrap(),
-            "--prompt",
-            "the",
-            "--max-tokens",
-            "4",
-        ])
-    };
+    let run = || generate(&hf, "the", &["--max-tokens", "4"]);
     assert!(
         run().status.success(),
         "{}",
@@ -343,14 +280,6 @@ fn a_configured_model_name_resolves_through_the_config_file() {
 fn unavailable_device_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let out = tokenrouter(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "hi",
-        "--device",
-        "tpu",
-    ]);
+    let out = generate(&model, "hi", &["--device", "tpu"]);
     assert_fails_with(&out, "--device 'tpu'");
 }

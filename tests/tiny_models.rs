@@ -110,23 +110,18 @@ fn check_hf_dir(dtype: DType) {
     write_hf_dir(&spec, dir.path(), dtype).unwrap();
     let lm = LoadedModel::load(dir.path(), &Device::Cpu).unwrap();
 
-    let cfg: qwen2::Config = serde_json::from_value(serde_json::json!({
-        "vocab_size": spec.vocab_size(),
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "max_position_embeddings": spec.context_length,
-        "sliding_window": spec.context_length,
-        "max_window_layers": spec.num_layers,
-        "tie_word_embeddings": spec.tied_embeddings,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-        "use_sliding_window": false,
-        "hidden_act": "silu",
-    }))
-    .unwrap();
+    // candle's Qwen2 config from the config.json we wrote, plus the keys only it needs.
+    let text = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for (key, value) in [
+        ("sliding_window", serde_json::json!(spec.context_length)),
+        ("max_window_layers", serde_json::json!(spec.num_layers)),
+        ("use_sliding_window", serde_json::json!(false)),
+        ("hidden_act", serde_json::json!("silu")),
+    ] {
+        json[key] = value;
+    }
+    let cfg: qwen2::Config = serde_json::from_value(json).unwrap();
     let files = vec![dir.path().join("model.safetensors")];
     let vb = unsafe {
         candle_nn::VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap()

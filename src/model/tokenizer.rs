@@ -216,15 +216,21 @@ impl IncrementalDecoder {
         Self::default()
     }
 
-    /// Adds one token and returns the text it completes (possibly empty).
-    pub fn push(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<String> {
-        self.tokens.push(token);
+    /// The text of the already-emitted window tail and of the whole window.
+    fn window(&self, tokenizer: &Tokenizer) -> Result<(String, String)> {
         let prefix = tokenizer
             .decode(&self.tokens[self.prefix_offset..self.read_offset], true)
             .map_err(tok_err)?;
         let full = tokenizer
             .decode(&self.tokens[self.prefix_offset..], true)
             .map_err(tok_err)?;
+        Ok((prefix, full))
+    }
+
+    /// Adds one token and returns the text it completes (possibly empty).
+    pub fn push(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<String> {
+        self.tokens.push(token);
+        let (prefix, full) = self.window(tokenizer)?;
         if full.len() > prefix.len()
             && !full.ends_with('\u{FFFD}')
             && full.is_char_boundary(prefix.len())
@@ -240,12 +246,7 @@ impl IncrementalDecoder {
 
     /// Text held back at the end (an incomplete character), decoded lossily.
     pub fn flush(&mut self, tokenizer: &Tokenizer) -> Result<String> {
-        let prefix = tokenizer
-            .decode(&self.tokens[self.prefix_offset..self.read_offset], true)
-            .map_err(tok_err)?;
-        let full = tokenizer
-            .decode(&self.tokens[self.prefix_offset..], true)
-            .map_err(tok_err)?;
+        let (prefix, full) = self.window(tokenizer)?;
         self.prefix_offset = self.tokens.len();
         self.read_offset = self.tokens.len();
         Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
