@@ -1,9 +1,10 @@
-//! Hot loops on plain `f32` slices: paged attention and rotary embedding.
+//! Hot loops on plain slices: paged attention, rotary embedding and quantized matmul.
 //!
 //! Kernels know nothing of models, requests or tensors: they take slices, shapes and block
 //! tables, and write into caller-owned outputs. Each one has a scalar reference in its tests.
 
 pub mod attention;
+pub mod qmatmul;
 pub mod rope;
 
 pub use attention::{paged_attention, AttentionSeq, PagedKv};

@@ -4,10 +4,13 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Module, Tensor};
 
 use super::error::{ModelError, Result};
+use crate::kernels::qmatmul::{
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, QuantMatrix, WeightBlock,
+};
 
 pub trait WeightSource {
     /// A `[rows, cols]` (out, in) matrix, kept quantized when the checkpoint is.
@@ -32,10 +35,16 @@ impl Weight {
         }
     }
 
-    pub fn matmul(&self) -> Result<QMatMul> {
+    /// The matmul for this weight: our quantized kernels for Q4_0/Q4_1/Q5_0/Q8_0 on the CPU
+    /// (unless `TOKENROUTER_QMATMUL=candle` or `CANDLE_DEQUANTIZE_ALL=1`), candle's for
+    /// everything else.
+    pub fn matmul(&self) -> Result<Matmul> {
         Ok(match self {
-            Self::Quantized(q) => QMatMul::from_arc(q.clone())?,
-            Self::Dense(t) => QMatMul::Tensor(t.clone()),
+            Self::Quantized(q) => match own_kernel(q)? {
+                Some(kernel) => Matmul::Own(kernel),
+                None => Matmul::Candle(QMatMul::from_arc(q.clone())?),
+            },
+            Self::Dense(t) => Matmul::Candle(QMatMul::Tensor(t.clone())),
         })
     }
 
@@ -48,9 +57,75 @@ impl Weight {
     }
 }
 
+/// A weight matrix ready to multiply.
+pub enum Matmul {
+    Candle(QMatMul),
+    Own(Box<dyn OwnKernel>),
+}
+
+/// Our quantized kernel, whatever its block format.
+pub trait OwnKernel: Send + Sync {
+    fn out_features(&self) -> usize;
+    fn in_features(&self) -> usize;
+    fn matmul(&self, x: &[f32], out: &mut [f32]);
+}
+
+impl<B: WeightBlock> OwnKernel for QuantMatrix<B> {
+    fn out_features(&self) -> usize {
+        self.rows()
+    }
+    fn in_features(&self) -> usize {
+        self.cols()
+    }
+    fn matmul(&self, x: &[f32], out: &mut [f32]) {
+        QuantMatrix::matmul(self, x, out)
+    }
+}
+
+fn own_kernel(q: &QTensor) -> Result<Option<Box<dyn OwnKernel>>> {
+    // candle's own switch to run every matmul in f32 is honoured too, so a dequantized
+    // comparison dequantizes both sides.
+    let dequantize_all =
+        std::env::var("CANDLE_DEQUANTIZE_ALL").is_ok_and(|v| !v.is_empty() && v != "0");
+    let disabled =
+        dequantize_all || std::env::var("TOKENROUTER_QMATMUL").is_ok_and(|v| v == "candle");
+    if disabled || !q.device().is_cpu() {
+        return Ok(None);
+    }
+    let Ok((rows, cols)) = q.shape().dims2() else {
+        return Ok(None);
+    };
+    let bytes = q.data()?;
+    fn boxed<B: WeightBlock>(m: Option<QuantMatrix<B>>) -> Option<Box<dyn OwnKernel>> {
+        m.map(|m| Box::new(m) as Box<dyn OwnKernel>)
+    }
+    Ok(match q.dtype() {
+        GgmlDType::Q4_0 => boxed(QuantMatrix::<BlockQ4_0>::from_bytes(rows, cols, &bytes)),
+        GgmlDType::Q4_1 => boxed(QuantMatrix::<BlockQ4_1>::from_bytes(rows, cols, &bytes)),
+        GgmlDType::Q5_0 => boxed(QuantMatrix::<BlockQ5_0>::from_bytes(rows, cols, &bytes)),
+        GgmlDType::Q8_0 => boxed(QuantMatrix::<BlockQ8_0>::from_bytes(rows, cols, &bytes)),
+        _ => None,
+    })
+}
+
+impl Matmul {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Candle(m) => Ok(m.forward(x)?),
+            Self::Own(k) => {
+                let rows = x.elem_count() / k.in_features();
+                let input = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut out = vec![0f32; rows * k.out_features()];
+                k.matmul(&input, &mut out);
+                Ok(Tensor::from_vec(out, (rows, k.out_features()), x.device())?)
+            }
+        }
+    }
+}
+
 /// `y = x Wᵀ (+ b)`.
 pub struct Linear {
-    weight: QMatMul,
+    weight: Matmul,
     bias: Option<Tensor>,
 }
 
@@ -71,7 +146,7 @@ impl Linear {
         Ok(Self { weight, bias })
     }
 
-    pub fn new(weight: QMatMul, bias: Option<Tensor>) -> Self {
+    pub fn new(weight: Matmul, bias: Option<Tensor>) -> Self {
         Self { weight, bias }
     }
 
