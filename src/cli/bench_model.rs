@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 use tokenrouter::model::runner::{logits_row, step, Sequence};
 use tokenrouter::model::sampler::argmax;
-use tokenrouter::model::{KvCache, Model};
+use tokenrouter::model::{KvCache, MatmulBackend, Model};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -29,10 +29,13 @@ pub struct BenchArgs {
     json: bool,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also measure the same model with candle's quantized matmul for every weight type, and
+    /// print our speed-up over it.
+    #[arg(long)]
+    baseline_candle: bool,
 }
 
 struct Row {
-    batch: usize,
     prefill_tok_s: f64,
     decode_tok_s: f64,
 }
@@ -53,7 +56,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             model.config().context_length
         );
     }
+    let baseline = match args.baseline_candle {
+        true => Some(args.model.load_with(MatmulBackend::Candle)?),
+        false => None,
+    };
     warm_up(model)?;
+    if let Some(b) = &baseline {
+        warm_up(&b.model)?;
+    }
     let bandwidth = read_bandwidth();
     let roofline = bandwidth / model.streamed_weight_bytes() as f64;
     let name = lm
@@ -68,30 +78,48 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             bandwidth / 1e9,
             roofline
         );
-        println!(
-            "{:>6} {:>14} {:>14} {:>10}",
-            "batch", "prefill tok/s", "decode tok/s", "% roofline"
-        );
+        print!("{:>6} {:>14} {:>14} {:>10}", "batch", "prefill tok/s", "decode tok/s", "% roofline");
+        if baseline.is_some() {
+            print!(" {:>15} {:>15} {:>9}", "candle prefill", "candle decode", "speed-up");
+        }
+        println!();
     }
     for &batch in &args.batch {
         let row = measure(model, batch, &args)?;
+        let base = match &baseline {
+            Some(b) => Some(measure(&b.model, batch, &args)?),
+            None => None,
+        };
         if args.json {
-            let obj = serde_json::json!({
+            let mut obj = serde_json::json!({
                 "model": name,
-                "batch": row.batch,
+                "batch": batch,
                 "prefill_tok_s": row.prefill_tok_s,
                 "decode_tok_s": row.decode_tok_s,
                 "roofline_tok_s": roofline,
             });
+            if let Some(b) = &base {
+                obj["candle_prefill_tok_s"] = b.prefill_tok_s.into();
+                obj["candle_decode_tok_s"] = b.decode_tok_s.into();
+            }
             println!("{obj}");
         } else {
-            println!(
+            print!(
                 "{:>6} {:>14.1} {:>14.1} {:>9.0}%",
-                row.batch,
+                batch,
                 row.prefill_tok_s,
                 row.decode_tok_s,
                 100.0 * row.decode_tok_s / roofline
             );
+            if let Some(b) = &base {
+                print!(
+                    " {:>15.1} {:>15.1} {:>8.1}x",
+                    b.prefill_tok_s,
+                    b.decode_tok_s,
+                    row.decode_tok_s / b.decode_tok_s
+                );
+            }
+            println!();
         }
     }
     Ok(())
@@ -140,7 +168,6 @@ fn measure(model: &Model, batch: usize, args: &BenchArgs) -> anyhow::Result<Row>
     }
     let decode = started.elapsed().as_secs_f64();
     Ok(Row {
-        batch,
         prefill_tok_s: (batch * args.prompt_len) as f64 / prefill,
         decode_tok_s: (batch * args.decode_steps) as f64 / decode,
     })

@@ -7,6 +7,7 @@ mod generate;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use tokenrouter::model::{LoadedModel, MatmulBackend};
 
 #[derive(Parser)]
 #[command(
@@ -86,11 +87,12 @@ impl ModelArg {
     }
 
     /// Loads the model on the chosen device, naming the path in any error.
-    fn load(&self) -> anyhow::Result<tokenrouter::model::LoadedModel> {
+    fn load(&self) -> anyhow::Result<LoadedModel> {
+        self.load_with(MatmulBackend::from_env())
+    }
+
+    fn load_with(&self, backend: MatmulBackend) -> anyhow::Result<LoadedModel> {
         let device = parse_device(&self.device)?;
-        Ok(tokenrouter::model::LoadedModel::load(
-            &self.path()?,
-            &device,
-        )?)
+        Ok(LoadedModel::load_with(&self.path()?, &device, backend)?)
     }
 }

@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::{BlockTable, KvCache};
-use super::weights::{Linear, RmsNorm, Weight, WeightSource};
+use super::weights::{Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
 use crate::kernels::attention::{paged_attention, AttentionSeq};
 use crate::kernels::rope::{inverse_frequencies, RotaryAngles};
 
@@ -71,6 +71,7 @@ pub struct Model {
 struct CountingSource<'a> {
     inner: &'a mut dyn WeightSource,
     bytes: usize,
+    backend: MatmulBackend,
 }
 
 impl WeightSource for CountingSource<'_> {
@@ -86,6 +87,9 @@ impl WeightSource for CountingSource<'_> {
     }
     fn contains(&self, name: &str) -> bool {
         self.inner.contains(name)
+    }
+    fn backend(&self) -> MatmulBackend {
+        self.backend
     }
 }
 
@@ -127,11 +131,23 @@ impl DecoderLayer {
 
 impl Model {
     pub fn load(config: ModelConfig, src: &mut dyn WeightSource, device: &Device) -> Result<Self> {
+        let backend = src.backend();
+        Self::load_with(config, src, device, backend)
+    }
+
+    /// Loads with an explicit choice of quantized-matmul kernels.
+    pub fn load_with(
+        config: ModelConfig,
+        src: &mut dyn WeightSource,
+        device: &Device,
+        backend: MatmulBackend,
+    ) -> Result<Self> {
         config.validate()?;
         let embed = src.matrix("token_embd.weight", config.vocab_size, config.hidden_size)?;
         let mut counting = CountingSource {
             inner: src,
             bytes: 0,
+            backend,
         };
         let layers = (0..config.num_layers)
             .map(|i| DecoderLayer::load(&mut counting, &config, i))
@@ -144,7 +160,7 @@ impl Model {
         )?;
         let lm_head = if config.tied_embeddings || !counting.contains("output.weight") {
             counting.bytes += embed.storage_bytes();
-            Linear::new(embed.matmul()?, None)
+            Linear::new(embed.matmul(backend)?, None)
         } else {
             Linear::load(
                 &mut counting,

@@ -27,7 +27,7 @@ pub use error::{ModelError, Result};
 pub use kv_cache::{BlockTable, KvCache};
 pub use sampler::{Sampler, SamplingParams};
 pub use tokenizer::{IncrementalDecoder, SpecialTokens};
-pub use weights::{Weight, WeightSource};
+pub use weights::{MatmulBackend, Weight, WeightSource};
 
 /// Everything one checkpoint provides: weights, tokenizer, special ids and chat template.
 pub struct LoadedModel {
@@ -41,18 +41,23 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// Loads a GGUF file, or a Hugging Face directory with `config.json` and safetensors.
     pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        Self::load_with(path, device, MatmulBackend::from_env())
+    }
+
+    /// Loads with an explicit choice of quantized-matmul kernels.
+    pub fn load_with(path: &Path, device: &Device, backend: MatmulBackend) -> Result<Self> {
         let meta = std::fs::metadata(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
             source,
         })?;
         if meta.is_dir() {
-            Self::load_hf_dir(path, device)
+            Self::load_hf_dir(path, device, backend)
         } else {
-            Self::load_gguf(path, device)
+            Self::load_gguf(path, device, backend)
         }
     }
 
-    fn load_gguf(path: &Path, device: &Device) -> Result<Self> {
+    fn load_gguf(path: &Path, device: &Device, backend: MatmulBackend) -> Result<Self> {
         let mut file = gguf::GgufFile::open(path, device)?;
         let config = file.config()?;
         let md = file.metadata();
@@ -75,7 +80,7 @@ impl LoadedModel {
             )?),
             None => None,
         };
-        let model = Model::load(config, &mut file, device)?;
+        let model = Model::load_with(config, &mut file, device, backend)?;
         Ok(Self {
             model,
             tokenizer,
@@ -85,7 +90,7 @@ impl LoadedModel {
         })
     }
 
-    fn load_hf_dir(dir: &Path, device: &Device) -> Result<Self> {
+    fn load_hf_dir(dir: &Path, device: &Device, backend: MatmulBackend) -> Result<Self> {
         let mut st = safetensors::SafetensorsDir::open(dir, device)?;
         let config = st.config()?;
         let tok_path = dir.join("tokenizer.json");
@@ -112,7 +117,7 @@ impl LoadedModel {
             )?),
             None => None,
         };
-        let model = Model::load(config, &mut st, device)?;
+        let model = Model::load_with(config, &mut st, device, backend)?;
         Ok(Self {
             model,
             tokenizer,

@@ -18,6 +18,33 @@ pub trait WeightSource {
     /// A 1-D `f32` vector (norm weights, biases).
     fn vector(&mut self, name: &str, len: usize) -> Result<Tensor>;
     fn contains(&self, name: &str) -> bool;
+    /// Which kernels quantized matrices use.
+    fn backend(&self) -> MatmulBackend {
+        MatmulBackend::from_env()
+    }
+}
+
+/// Kernels for quantized matrices on the CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulBackend {
+    /// Ours (`kernels::qmatmul`) for Q4_0/Q4_1/Q5_0/Q8_0, candle's for the rest.
+    Native,
+    /// candle's for every type: the in-run baseline of `bench-model`.
+    Candle,
+}
+
+impl MatmulBackend {
+    /// `Candle` when `TOKENROUTER_QMATMUL=candle`, or when candle's `CANDLE_DEQUANTIZE_ALL`
+    /// asks for f32 matmuls everywhere (so a dequantized comparison dequantizes both sides).
+    pub fn from_env() -> Self {
+        let set = |key: &str| std::env::var(key).is_ok_and(|v| !v.is_empty() && v != "0");
+        let forced = std::env::var("TOKENROUTER_QMATMUL").is_ok_and(|v| v == "candle");
+        if forced || set("CANDLE_DEQUANTIZE_ALL") {
+            Self::Candle
+        } else {
+            Self::Native
+        }
+    }
 }
 
 /// A matrix as loaded: quantized blocks or a dense `f32` tensor.
@@ -35,12 +62,10 @@ impl Weight {
         }
     }
 
-    /// The matmul for this weight: our quantized kernels for Q4_0/Q4_1/Q5_0/Q8_0 on the CPU
-    /// (unless `TOKENROUTER_QMATMUL=candle` or `CANDLE_DEQUANTIZE_ALL=1`), candle's for
-    /// everything else.
-    pub fn matmul(&self) -> Result<Matmul> {
+    /// The matmul for this weight under `backend`.
+    pub fn matmul(&self, backend: MatmulBackend) -> Result<Matmul> {
         Ok(match self {
-            Self::Quantized(q) => match own_kernel(q)? {
+            Self::Quantized(q) => match own_kernel(q, backend)? {
                 Some(kernel) => Matmul::Own(kernel),
                 None => Matmul::Candle(QMatMul::from_arc(q.clone())?),
             },
@@ -82,14 +107,8 @@ impl<B: WeightBlock> OwnKernel for QuantMatrix<B> {
     }
 }
 
-fn own_kernel(q: &QTensor) -> Result<Option<Box<dyn OwnKernel>>> {
-    // candle's own switch to run every matmul in f32 is honoured too, so a dequantized
-    // comparison dequantizes both sides.
-    let dequantize_all =
-        std::env::var("CANDLE_DEQUANTIZE_ALL").is_ok_and(|v| !v.is_empty() && v != "0");
-    let disabled =
-        dequantize_all || std::env::var("TOKENROUTER_QMATMUL").is_ok_and(|v| v == "candle");
-    if disabled || !q.device().is_cpu() {
+fn own_kernel(q: &QTensor, backend: MatmulBackend) -> Result<Option<Box<dyn OwnKernel>>> {
+    if backend == MatmulBackend::Candle || !q.device().is_cpu() {
         return Ok(None);
     }
     let Ok((rows, cols)) = q.shape().dims2() else {
@@ -137,7 +156,8 @@ impl Linear {
         inp: usize,
         bias: bool,
     ) -> Result<Self> {
-        let weight = src.matrix(&format!("{name}.weight"), out, inp)?.matmul()?;
+        let backend = src.backend();
+        let weight = src.matrix(&format!("{name}.weight"), out, inp)?.matmul(backend)?;
         let bias = if bias {
             Some(src.vector(&format!("{name}.bias"), out)?)
         } else {
