@@ -78,9 +78,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             bandwidth / 1e9,
             roofline
         );
-        print!("{:>6} {:>14} {:>14} {:>10}", "batch", "prefill tok/s", "decode tok/s", "% roofline");
+        print!(
+            "{:>6} {:>14} {:>14} {:>10}",
+            "batch", "prefill tok/s", "decode tok/s", "% roofline"
+        );
         if baseline.is_some() {
-            print!(" {:>15} {:>15} {:>9}", "candle prefill", "candle decode", "speed-up");
+            print!(
+                " {:>15} {:>15} {:>9}",
+                "candle prefill", "candle decode", "speed-up"
+            );
         }
         println!();
     }

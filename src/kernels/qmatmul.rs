@@ -21,6 +21,8 @@ use rayon::prelude::*;
 pub const QK: usize = 32;
 /// Activation rows that share one unpacked weight block.
 pub const ROW_TILE: usize = 4;
+/// Weight rows processed together (independent accumulators hide FMA latency).
+pub const COL_TILE: usize = 4;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -78,7 +80,8 @@ pub trait WeightBlock: Copy + Send + Sync + 'static {
     }
     /// The 32 integer values: signed, or unsigned for `UNSIGNED` formats.
     fn values(&self) -> [i8; QK];
-    /// The same 32 values in one register.
+    /// The same 32 values in one register. Always inlined into the AVX2 kernels, so the
+    /// intrinsics compile with their target features.
     ///
     /// # Safety
     /// The CPU must support AVX2.
@@ -109,7 +112,7 @@ impl WeightBlock for BlockQ4_0 {
         nibbles(&self.qs).map(|q| q as i8 - 8)
     }
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
+    #[inline(always)]
     unsafe fn unpack_avx2(&self) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
         _mm256_sub_epi8(avx2::nibbles(&self.qs), _mm256_set1_epi8(8))
@@ -139,7 +142,7 @@ impl WeightBlock for BlockQ4_1 {
         nibbles(&self.qs).map(|q| q as i8)
     }
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
+    #[inline(always)]
     unsafe fn unpack_avx2(&self) -> std::arch::x86_64::__m256i {
         avx2::nibbles(&self.qs)
     }
@@ -164,7 +167,7 @@ impl WeightBlock for BlockQ5_0 {
         v
     }
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
+    #[inline(always)]
     unsafe fn unpack_avx2(&self) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
         // A clear fifth bit means value - 16: set the high nibble to 0xF (two's complement).
@@ -188,7 +191,7 @@ impl WeightBlock for BlockQ8_0 {
         self.qs
     }
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
+    #[inline(always)]
     unsafe fn unpack_avx2(&self) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
         _mm256_loadu_si256(self.qs.as_ptr() as *const __m256i)
@@ -285,27 +288,34 @@ impl<B: WeightBlock> QuantMatrix<B> {
         let n = self.rows;
         let out_ptr = SharedOut(out.as_mut_ptr());
         let threads = rayon::current_num_threads().max(1);
-        let chunk = n.div_ceil(threads * 8).max(1);
+        // Column ranges per task: a multiple of the column tile, several per thread.
+        let chunk = n
+            .div_ceil(threads * 8)
+            .next_multiple_of(COL_TILE)
+            .max(COL_TILE);
         let use_avx2 = has_avx2_fma();
-        (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        (0..n.div_ceil(chunk)).into_par_iter().for_each(|task| {
             let out_ptr = &out_ptr;
-            for col in c * chunk..((c + 1) * chunk).min(n) {
-                let w = &self.blocks[col * kb..(col + 1) * kb];
-                for r0 in (0..m).step_by(ROW_TILE) {
-                    let tile = ROW_TILE.min(m - r0);
-                    let mut sums = [0f32; ROW_TILE];
-                    dot_tile(
-                        w,
-                        &acts[r0 * kb..(r0 + tile) * kb],
-                        kb,
-                        &mut sums[..tile],
-                        use_avx2,
-                    );
-                    for (i, s) in sums[..tile].iter().enumerate() {
-                        // SAFETY: (row r0 + i, column col) is written by this task only, and
-                        // lies inside `out` (m × n) by the asserts in `matmul`.
-                        unsafe { *out_ptr.0.add((r0 + i) * n + col) = *s };
+            let cols_end = ((task + 1) * chunk).min(n);
+            for r0 in (0..m).step_by(ROW_TILE) {
+                let rows = ROW_TILE.min(m - r0);
+                let row_acts = &acts[r0 * kb..(r0 + rows) * kb];
+                // Fewer columns at a time for taller row tiles: accumulators stay in registers.
+                let group = if rows <= 2 { COL_TILE } else { COL_TILE / 2 };
+                let mut col = task * chunk;
+                while col < cols_end {
+                    let cols = if col + group <= cols_end { group } else { 1 };
+                    let w = &self.blocks[col * kb..(col + cols) * kb];
+                    let mut sums = [0f32; COL_TILE * ROW_TILE];
+                    dot_tile(w, cols, row_acts, kb, &mut sums[..cols * rows], use_avx2);
+                    for c in 0..cols {
+                        for r in 0..rows {
+                            // SAFETY: (row r0 + r, column col + c) is written by this task
+                            // only, and lies inside `out` (m × n) by the asserts in `matmul`.
+                            unsafe { *out_ptr.0.add((r0 + r) * n + col + c) = sums[c * rows + r] };
+                        }
                     }
+                    col += cols;
                 }
             }
         });
@@ -329,9 +339,11 @@ fn has_avx2_fma() -> bool {
     }
 }
 
-/// Dot products of one weight row with `sums.len()` activation rows (`kb` blocks each).
+/// Dot products of `cols` consecutive weight rows (`w`, `kb` blocks each) with `rows`
+/// activation rows; `sums[c * rows + r]` receives weight row `c` · activation row `r`.
 fn dot_tile<B: WeightBlock>(
     w: &[B],
+    cols: usize,
     acts: &[ActBlock],
     kb: usize,
     sums: &mut [f32],
@@ -340,28 +352,39 @@ fn dot_tile<B: WeightBlock>(
     #[cfg(target_arch = "x86_64")]
     if use_avx2 {
         // SAFETY: AVX2, FMA and F16C were detected at run time.
-        unsafe { avx2::dot_tile(w, acts, kb, sums) };
+        unsafe { avx2::dot_tile(w, cols, acts, kb, sums) };
         return;
     }
     let _ = use_avx2;
-    dot_tile_scalar(w, acts, kb, sums);
+    dot_tile_scalar(w, cols, acts, kb, sums);
 }
 
 /// The portable path, and the reference the SIMD path is tested against.
-pub fn dot_tile_scalar<B: WeightBlock>(w: &[B], acts: &[ActBlock], kb: usize, sums: &mut [f32]) {
-    for (r, sum) in sums.iter_mut().enumerate() {
-        let a_row = &acts[r * kb..(r + 1) * kb];
-        let mut total = 0f32;
-        for (wb, ab) in w.iter().zip(a_row) {
-            let sumi: i32 = wb
-                .values()
+pub fn dot_tile_scalar<B: WeightBlock>(
+    w: &[B],
+    cols: usize,
+    acts: &[ActBlock],
+    kb: usize,
+    sums: &mut [f32],
+) {
+    let rows = sums.len() / cols.max(1);
+    for c in 0..cols {
+        for r in 0..rows {
+            let mut total = 0f32;
+            for (wb, ab) in w[c * kb..(c + 1) * kb]
                 .iter()
-                .zip(&ab.qs)
-                .map(|(&x, &y)| x as i32 * y as i32)
-                .sum();
-            total += wb.d() * ab.d * sumi as f32 + wb.m() * ab.s;
+                .zip(&acts[r * kb..(r + 1) * kb])
+            {
+                let sumi: i32 = wb
+                    .values()
+                    .iter()
+                    .zip(&ab.qs)
+                    .map(|(&x, &y)| x as i32 * y as i32)
+                    .sum();
+                total += wb.d() * ab.d * sumi as f32 + wb.m() * ab.s;
+            }
+            sums[c * rows + r] = total;
         }
-        *sum = total;
     }
 }
 
@@ -369,10 +392,10 @@ pub fn dot_tile_scalar<B: WeightBlock>(w: &[B], acts: &[ActBlock], kb: usize, su
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{ActBlock, WeightBlock, ROW_TILE};
+    use super::{ActBlock, WeightBlock};
 
     /// Low nibbles in bytes 0..16, high nibbles in bytes 16..32.
-    #[target_feature(enable = "avx2")]
+    #[inline(always)]
     pub(super) unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
         let lo = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
         let both = _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(lo), _mm_srli_epi16(lo, 4));
@@ -380,7 +403,7 @@ mod avx2 {
     }
 
     /// Byte `i` is 0xFF where bit `i` of `x` is set, else 0.
-    #[target_feature(enable = "avx2")]
+    #[inline(always)]
     pub(super) unsafe fn bytes_from_bits(x: u32) -> __m256i {
         let shuffle = _mm256_set_epi64x(
             0x0303_0303_0303_0303,
@@ -393,7 +416,7 @@ mod avx2 {
         _mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1))
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn hsum(x: __m256) -> f32 {
         let r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
         let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -402,7 +425,7 @@ mod avx2 {
     }
 
     /// Eight partial sums of `w · a` as floats; `w` signed (or unsigned when `UNSIGNED`).
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn dot_i8(w: __m256i, a: __m256i, unsigned: bool) -> __m256 {
         let pairs = if unsigned {
             _mm256_maddubs_epi16(w, a)
@@ -412,56 +435,71 @@ mod avx2 {
         _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline(always)]
     unsafe fn f16_to_f32(bits: u16) -> f32 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
-    /// Dispatches on the tile height so each variant keeps its accumulators in registers.
+    /// Dispatches on the tile shape so each variant keeps its accumulators in registers.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_tile<B: WeightBlock>(
         w: &[B],
+        cols: usize,
         acts: &[ActBlock],
         kb: usize,
         sums: &mut [f32],
     ) {
-        match sums.len() {
-            1 => dot_rows::<B, 1>(w, acts, kb, sums),
-            2 => dot_rows::<B, 2>(w, acts, kb, sums),
-            3 => dot_rows::<B, 3>(w, acts, kb, sums),
-            _ => dot_rows::<B, ROW_TILE>(w, acts, kb, sums),
+        match (cols, sums.len() / cols) {
+            (4, 1) => dot_block::<B, 4, 1>(w, acts, kb, sums),
+            (4, 2) => dot_block::<B, 4, 2>(w, acts, kb, sums),
+            (2, 3) => dot_block::<B, 2, 3>(w, acts, kb, sums),
+            (2, 4) => dot_block::<B, 2, 4>(w, acts, kb, sums),
+            (1, 1) => dot_block::<B, 1, 1>(w, acts, kb, sums),
+            (1, 2) => dot_block::<B, 1, 2>(w, acts, kb, sums),
+            (1, 3) => dot_block::<B, 1, 3>(w, acts, kb, sums),
+            (1, 4) => dot_block::<B, 1, 4>(w, acts, kb, sums),
+            _ => super::dot_tile_scalar(w, cols, acts, kb, sums),
         }
     }
 
+    /// `C` weight rows × `T` activation rows; `C * T` independent accumulators.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_rows<B: WeightBlock, const T: usize>(
+    unsafe fn dot_block<B: WeightBlock, const C: usize, const T: usize>(
         w: &[B],
         acts: &[ActBlock],
         kb: usize,
         sums: &mut [f32],
     ) {
-        let mut acc = [_mm256_setzero_ps(); T];
-        let mut offsets = [0f32; T];
-        for (b, wb) in w.iter().enumerate() {
-            let wv = wb.unpack_avx2();
-            let d = f16_to_f32(wb.d_bits());
-            let m = if B::UNSIGNED {
-                f16_to_f32(wb.m_bits())
-            } else {
-                0.0
-            };
+        let mut acc = [[_mm256_setzero_ps(); T]; C];
+        let mut offsets = [[0f32; T]; C];
+        for b in 0..kb {
+            let mut av = [_mm256_setzero_si256(); T];
+            let mut ad = [0f32; T];
             for r in 0..T {
                 let ab = acts.get_unchecked(r * kb + b);
-                let av = _mm256_load_si256(ab.qs.as_ptr() as *const __m256i);
-                let p = dot_i8(wv, av, B::UNSIGNED);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), p, acc[r]);
+                av[r] = _mm256_load_si256(ab.qs.as_ptr() as *const __m256i);
+                ad[r] = ab.d;
+            }
+            for c in 0..C {
+                let wb = w.get_unchecked(c * kb + b);
+                let wv = wb.unpack_avx2();
+                let d = f16_to_f32(wb.d_bits());
+                for r in 0..T {
+                    let p = dot_i8(wv, av[r], B::UNSIGNED);
+                    acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ad[r]), p, acc[c][r]);
+                }
                 if B::UNSIGNED {
-                    offsets[r] += m * ab.s;
+                    let m = f16_to_f32(wb.m_bits());
+                    for (r, offset) in offsets[c].iter_mut().enumerate() {
+                        *offset += m * acts.get_unchecked(r * kb + b).s;
+                    }
                 }
             }
         }
-        for r in 0..T {
-            sums[r] = hsum(acc[r]) + offsets[r];
+        for c in 0..C {
+            for r in 0..T {
+                sums[c * T + r] = hsum(acc[c][r]) + offsets[c][r];
+            }
         }
     }
 }
@@ -535,7 +573,7 @@ mod tests {
         let mut scalar = vec![0f32; batch * rows];
         for c in 0..rows {
             let mut sums = vec![0f32; batch];
-            dot_tile_scalar(&m.blocks[c * kb..(c + 1) * kb], &acts, kb, &mut sums);
+            dot_tile_scalar(&m.blocks[c * kb..(c + 1) * kb], 1, &acts, kb, &mut sums);
             for r in 0..batch {
                 scalar[r * rows + c] = sums[r];
             }

@@ -157,7 +157,9 @@ impl Linear {
         bias: bool,
     ) -> Result<Self> {
         let backend = src.backend();
-        let weight = src.matrix(&format!("{name}.weight"), out, inp)?.matmul(backend)?;
+        let weight = src
+            .matrix(&format!("{name}.weight"), out, inp)?
+            .matmul(backend)?;
         let bias = if bias {
             Some(src.vector(&format!("{name}.bias"), out)?)
         } else {
