@@ -2,11 +2,13 @@
 //! decode roofline (bytes of weights a decode step streams ÷ memory read bandwidth measured in
 //! the same run).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use clap::Args;
 use rand::{Rng, SeedableRng};
-use rayon::prelude::*;
+
+use tokenrouter::kernels::parallel::for_each_range;
 use tokenrouter::model::runner::{logits_row, step, Sequence};
 use tokenrouter::model::sampler::argmax;
 use tokenrouter::model::{KvCache, MatmulBackend, Model};
@@ -194,16 +196,20 @@ fn warm_up(model: &Model) -> anyhow::Result<()> {
 /// the same thread pool the kernels use.
 fn read_bandwidth() -> f64 {
     let words = 64 << 20; // 512 MiB of u64
+    let chunk = 1 << 16;
     let buf: Vec<u64> = (0..words as u64).collect();
     let mut best = 0f64;
     for _ in 0..5 {
+        let total = AtomicU64::new(0);
         let started = Instant::now();
-        let sum: u64 = buf
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
-            .reduce(|| 0, u64::wrapping_add);
+        for_each_range(words / chunk, |chunks| {
+            let part = buf[chunks.start * chunk..chunks.end * chunk]
+                .iter()
+                .fold(0u64, |a, &x| a.wrapping_add(x));
+            total.fetch_add(part, Ordering::Relaxed);
+        });
         let secs = started.elapsed().as_secs_f64();
-        std::hint::black_box(sum);
+        std::hint::black_box(total.load(Ordering::Relaxed));
         best = best.max((words * 8) as f64 / secs);
     }
     best

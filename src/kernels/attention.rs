@@ -7,8 +7,7 @@
 //! maximum and sum), so it is numerically stable for any context length, and the query heads
 //! of one GQA group share every K/V row read. Work is split over (token, KV head) pairs.
 
-use rayon::prelude::*;
-
+use super::parallel::{for_each_range, DisjointOut};
 use super::{axpy, dot};
 
 /// Largest supported block size: scores of one block live on the stack.
@@ -65,15 +64,21 @@ pub fn paged_attention(
         .collect();
     assert_eq!(q.len(), token_ctx.len() * num_heads * hd);
 
-    out.par_chunks_mut(group * hd)
-        .zip(q.par_chunks(group * hd))
-        .enumerate()
-        .for_each(|(item, (out_g, q_g))| {
+    // One work item per (token, KV head): the `group` query heads that share that KV head,
+    // which are contiguous in `q` and `out`.
+    let width = group * hd;
+    let out = DisjointOut::new(out);
+    for_each_range(token_ctx.len() * kv.num_kv_heads, |items| {
+        for item in items {
             let token = item / kv.num_kv_heads;
             let kv_head = item % kv.num_kv_heads;
             let (s, ctx) = token_ctx[token];
+            // SAFETY: item `item` owns exactly these `width` output elements.
+            let out_g = unsafe { out.slice(item * width, width) };
+            let q_g = &q[item * width..(item + 1) * width];
             attend_group(q_g, out_g, kv, seqs[s].blocks, kv_head, ctx, scale);
-        });
+        }
+    });
 }
 
 /// Attention of the `group` query heads sharing `kv_head`, over the first `ctx` cache positions.

@@ -3,7 +3,7 @@
 //!
 //! * Weights stay in their ggml block layout (copied once at load into typed, aligned blocks:
 //!   no repacking, no extra memory beyond that copy).
-//! * Batched: each task owns a range of output columns and, for each column, walks the weight
+//! * Batched: each task (see `kernels::parallel`) owns a range of output columns and, for each column, walks the weight
 //!   row once per tile of up to [`ROW_TILE`] activation rows, so a batch of 16 reads every
 //!   weight byte from memory once (the row is in L1 for the other tiles).
 //! * Runtime dispatch: AVX2+FMA when the CPU has it, else a portable scalar path with the same
@@ -15,7 +15,8 @@
 use std::cell::RefCell;
 
 use half::f16;
-use rayon::prelude::*;
+
+use super::parallel::{for_each_range, DisjointOut};
 
 /// Values per block, for every format here.
 pub const QK: usize = 32;
@@ -286,33 +287,30 @@ impl<B: WeightBlock> QuantMatrix<B> {
     fn matmul_quantized(&self, acts: &[ActBlock], m: usize, out: &mut [f32]) {
         let kb = self.cols / QK;
         let n = self.rows;
-        let out_ptr = SharedOut(out.as_mut_ptr());
-        let threads = rayon::current_num_threads().max(1);
-        // Column ranges per task: a multiple of the column tile, several per thread.
-        let chunk = n
-            .div_ceil(threads * 8)
-            .next_multiple_of(COL_TILE)
-            .max(COL_TILE);
+        let out = DisjointOut::new(out);
         let use_avx2 = has_avx2_fma();
-        (0..n.div_ceil(chunk)).into_par_iter().for_each(|task| {
-            let out_ptr = &out_ptr;
-            let cols_end = ((task + 1) * chunk).min(n);
+        // Work items are groups of COL_TILE output columns.
+        for_each_range(n.div_ceil(COL_TILE), |groups| {
+            let cols_start = groups.start * COL_TILE;
+            let cols_end = (groups.end * COL_TILE).min(n);
             for r0 in (0..m).step_by(ROW_TILE) {
                 let rows = ROW_TILE.min(m - r0);
                 let row_acts = &acts[r0 * kb..(r0 + rows) * kb];
                 // Fewer columns at a time for taller row tiles: accumulators stay in registers.
                 let group = if rows <= 2 { COL_TILE } else { COL_TILE / 2 };
-                let mut col = task * chunk;
+                let mut col = cols_start;
                 while col < cols_end {
                     let cols = if col + group <= cols_end { group } else { 1 };
                     let w = &self.blocks[col * kb..(col + cols) * kb];
                     let mut sums = [0f32; COL_TILE * ROW_TILE];
                     dot_tile(w, cols, row_acts, kb, &mut sums[..cols * rows], use_avx2);
-                    for c in 0..cols {
-                        for r in 0..rows {
-                            // SAFETY: (row r0 + r, column col + c) is written by this task
-                            // only, and lies inside `out` (m × n) by the asserts in `matmul`.
-                            unsafe { *out_ptr.0.add((r0 + r) * n + col + c) = sums[c * rows + r] };
+                    for r in 0..rows {
+                        // SAFETY: columns col..col + cols of row r0 + r belong to this task's
+                        // column range only, and lie inside `out` (m × n) by the asserts in
+                        // `matmul`.
+                        let dst = unsafe { out.slice((r0 + r) * n + col, cols) };
+                        for (c, d) in dst.iter_mut().enumerate() {
+                            *d = sums[c * rows + r];
                         }
                     }
                     col += cols;
@@ -321,10 +319,6 @@ impl<B: WeightBlock> QuantMatrix<B> {
         });
     }
 }
-
-struct SharedOut(*mut f32);
-// SAFETY: tasks write disjoint elements (see `matmul_quantized`).
-unsafe impl Sync for SharedOut {}
 
 fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
