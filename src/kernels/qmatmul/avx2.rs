@@ -1,0 +1,115 @@
+//! The AVX2 (+FMA, F16C) path of the quantized matmul: ggml blocks unpacked in registers,
+//! `C` weight rows × `T` activation rows of independent accumulators per call.
+
+use std::arch::x86_64::*;
+
+use super::{ActBlock, WeightBlock};
+
+/// Low nibbles in bytes 0..16, high nibbles in bytes 16..32.
+#[inline(always)]
+pub(super) unsafe fn nibbles(qs: &[u8; 16]) -> __m256i {
+    let lo = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+    let both = _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(lo), _mm_srli_epi16(lo, 4));
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// Byte `i` is 0xFF where bit `i` of `x` is set, else 0.
+#[inline(always)]
+pub(super) unsafe fn bytes_from_bits(x: u32) -> __m256i {
+    let shuffle = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0101_0101_0101_0101,
+        0,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuffle);
+    let bits = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(bits, _mm256_set1_epi64x(-1))
+}
+
+#[inline(always)]
+unsafe fn hsum(x: __m256) -> f32 {
+    let r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    let r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    _mm_cvtss_f32(r)
+}
+
+/// Eight partial sums of `w · a` as floats; `w` signed (or unsigned when `UNSIGNED`).
+#[inline(always)]
+unsafe fn dot_i8(w: __m256i, a: __m256i, unsigned: bool) -> __m256 {
+    let pairs = if unsigned {
+        _mm256_maddubs_epi16(w, a)
+    } else {
+        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
+    };
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+#[inline(always)]
+unsafe fn f16_to_f32(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// Dispatches on the tile shape so each variant keeps its accumulators in registers.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_tile<B: WeightBlock>(
+    w: &[B],
+    cols: usize,
+    acts: &[ActBlock],
+    kb: usize,
+    sums: &mut [f32],
+) {
+    match (cols, sums.len() / cols) {
+        (4, 1) => dot_block::<B, 4, 1>(w, acts, kb, sums),
+        (4, 2) => dot_block::<B, 4, 2>(w, acts, kb, sums),
+        (2, 3) => dot_block::<B, 2, 3>(w, acts, kb, sums),
+        (2, 4) => dot_block::<B, 2, 4>(w, acts, kb, sums),
+        (1, 1) => dot_block::<B, 1, 1>(w, acts, kb, sums),
+        (1, 2) => dot_block::<B, 1, 2>(w, acts, kb, sums),
+        (1, 3) => dot_block::<B, 1, 3>(w, acts, kb, sums),
+        (1, 4) => dot_block::<B, 1, 4>(w, acts, kb, sums),
+        _ => super::dot_tile_scalar(w, cols, acts, kb, sums),
+    }
+}
+
+/// `C` weight rows × `T` activation rows; `C * T` independent accumulators.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_block<B: WeightBlock, const C: usize, const T: usize>(
+    w: &[B],
+    acts: &[ActBlock],
+    kb: usize,
+    sums: &mut [f32],
+) {
+    let mut acc = [[_mm256_setzero_ps(); T]; C];
+    let mut offsets = [[0f32; T]; C];
+    for b in 0..kb {
+        let mut av = [_mm256_setzero_si256(); T];
+        let mut ad = [0f32; T];
+        for r in 0..T {
+            let ab = acts.get_unchecked(r * kb + b);
+            av[r] = _mm256_load_si256(ab.qs.as_ptr() as *const __m256i);
+            ad[r] = ab.d;
+        }
+        for c in 0..C {
+            let wb = w.get_unchecked(c * kb + b);
+            let wv = wb.unpack_avx2();
+            let d = f16_to_f32(wb.d_bits());
+            for r in 0..T {
+                let p = dot_i8(wv, av[r], B::UNSIGNED);
+                acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ad[r]), p, acc[c][r]);
+            }
+            if B::UNSIGNED {
+                let m = f16_to_f32(wb.m_bits());
+                for (r, offset) in offsets[c].iter_mut().enumerate() {
+                    *offset += m * acts.get_unchecked(r * kb + b).s;
+                }
+            }
+        }
+    }
+    for c in 0..C {
+        for r in 0..T {
+            sums[c * T + r] = hsum(acc[c][r]) + offsets[c][r];
+        }
+    }
+}
