@@ -1,7 +1,8 @@
 //! tokenrouter: a serving system for token-level routed LLM inference.
 //!
 //! Layers, from the bottom up (dependencies point downward only):
-//! * [`kernels`]: hot loops on plain slices (paged attention, rotary embedding).
+//! * [`kernels`]: hot loops on plain slices (paged attention, rotary embedding, quantized
+//!   matmul) and the thread pool they share.
 //! * [`model`]: weight loading, the decoder, the paged KV cache, tokenizer, chat template and
 //!   sampler. Knows nothing of actors or HTTP.
 //!

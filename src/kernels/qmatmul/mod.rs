@@ -3,10 +3,11 @@
 //!
 //! * Weights stay in their ggml block layout (copied once at load into typed, aligned blocks:
 //!   no repacking, no extra memory beyond that copy).
-//! * Batched: each task (see `kernels::parallel`) owns a range of output columns and, for each column, walks the weight
-//!   row once per tile of up to [`ROW_TILE`] activation rows, so a batch of 16 reads every
-//!   weight byte from memory once (the row is in L1 for the other tiles).
-//! * Runtime dispatch: AVX2+FMA when the CPU has it, else a portable scalar path with the same
+//! * Batched: each task (see `kernels::parallel`) owns a range of output columns and computes
+//!   register tiles of up to [`COL_TILE`] weight rows × [`ROW_TILE`] activation rows, so a
+//!   batch of 16 reads every weight byte from memory once (the rows stay in L1 for the other
+//!   row tiles).
+//! * Runtime dispatch: AVX2+FMA+F16C when the CPU has them, else a portable scalar path with the same
 //!   block arithmetic. Activation quantization follows ggml (`quantize_row_q8_0` / `_q8_1`,
 //!   scales rounded to f16), so results agree with ggml-style implementations.
 //! * No allocation per call beyond a thread-local scratch buffer that grows to the largest
