@@ -7,9 +7,9 @@
 //!   register tiles of up to [`COL_TILE`] weight rows × [`ROW_TILE`] activation rows, so a
 //!   batch of 16 reads every weight byte from memory once (the rows stay in L1 for the other
 //!   row tiles).
-//! * Runtime dispatch: AVX2+FMA+F16C when the CPU has them, else a portable scalar path with the same
-//!   block arithmetic. Activation quantization follows ggml (`quantize_row_q8_0` / `_q8_1`,
-//!   scales rounded to f16), so results agree with ggml-style implementations.
+//! * Runtime dispatch: AVX2+FMA+F16C when the CPU has them, else a portable scalar path with
+//!   the same block arithmetic. Activation quantization follows ggml (`quantize_row_q8_0` /
+//!   `_q8_1`, scales rounded to f16), so results agree with ggml-style implementations.
 //! * No allocation per call beyond a thread-local scratch buffer that grows to the largest
 //!   batch seen.
 
