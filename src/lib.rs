@@ -14,3 +14,5 @@
 pub mod config;
 pub mod kernels;
 pub mod model;
+pub mod routing;
+pub mod scheduler;

@@ -1,4 +1,5 @@
-//! Hot loops on plain slices: paged attention, rotary embedding and quantized matmul.
+//! Hot loops on plain slices: paged attention, rotary embedding, quantized matmul and the
+//! per-batch routing features (softmax entropy).
 //!
 //! Kernels know nothing of models, requests or tensors: they take slices, shapes and block
 //! tables, and write into caller-owned outputs. Each one has a scalar reference in its tests.
@@ -7,6 +8,7 @@ pub mod attention;
 pub mod parallel;
 pub mod qmatmul;
 pub mod rope;
+pub mod routing_features;
 
 pub use attention::{paged_attention, AttentionSeq, PagedKv};
 pub use rope::{RopeStyle, RotaryAngles};

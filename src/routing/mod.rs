@@ -1,0 +1,161 @@
+//! The routing interface: algorithms written from one request's point of view.
+//!
+//! * [`RoutingAlgorithm::route`]: after a forward pass on some model, where each request's next
+//!   step runs. The runtime calls it once per batch with the batch's features.
+//! * [`RoutingAlgorithm::send`]: what crosses when a request moves: whether the token just
+//!   sampled is kept (committed here, extended by the peer) or dropped (the peer regenerates
+//!   that position).
+//! * [`RoutingAlgorithm::receive`]: how the peer resumes: extend its KV with the tokens produced
+//!   elsewhere (the default) or recompute the whole prefix.
+//!
+//! Algorithms know nothing of actors, KV blocks or HTTP; they see plain numbers.
+
+mod entropy;
+mod rstitch;
+mod single;
+
+use std::sync::Arc;
+
+pub use entropy::EntropyThreshold;
+pub use rstitch::RStitch;
+pub use single::SingleModel;
+
+use crate::config::{Config, Role, RoutingConfig};
+
+/// A model's position in `[[models]]`.
+pub type ModelIndex = usize;
+
+/// Which model is the small one and which the large one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pair {
+    pub slm: ModelIndex,
+    pub llm: ModelIndex,
+}
+
+/// The features an algorithm needs computed for every routed row.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FeatureNeeds {
+    pub entropy: bool,
+}
+
+/// Features of one batch, row `i` for the batch's `i`-th routed request; a feature the
+/// algorithm did not ask for is empty.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BatchFeatures<'a> {
+    /// Entropy of the next-token distribution (softmax of the raw logits), in nats.
+    pub entropy: &'a [f32],
+}
+
+/// One request at routing time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepView {
+    /// The model that just ran the step.
+    pub model: ModelIndex,
+    /// The token it sampled.
+    pub token: u32,
+    /// Tokens this model committed since the request last arrived here.
+    pub tokens_here: usize,
+    /// Output tokens committed so far, on any model.
+    pub generated: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    Stay,
+    Move(ModelIndex),
+}
+
+/// What [`RoutingAlgorithm::send`] decides about the token just sampled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendPlan {
+    /// Commit it here before moving; otherwise the peer generates this position itself.
+    pub keep_token: bool,
+}
+
+/// A request arriving at a model it has visited before, as [`RoutingAlgorithm::receive`] sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Arrival {
+    pub from: ModelIndex,
+    pub to: ModelIndex,
+    /// Tokens the arriving model already holds in its KV cache.
+    pub cached: usize,
+    /// Tokens of the sequence now.
+    pub total: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// Keep the cached prefix and extend it with the tokens produced elsewhere.
+    Extend,
+    /// Drop the cached prefix and prefill the whole sequence again.
+    Recompute,
+}
+
+pub trait RoutingAlgorithm: Send + Sync {
+    fn name(&self) -> &'static str;
+
+    fn needs(&self) -> FeatureNeeds {
+        FeatureNeeds::default()
+    }
+
+    /// The model that prefills the prompt and produces the first token.
+    fn first_model(&self, prompt: &[u32]) -> ModelIndex;
+
+    /// One route per request of `batch`, all produced by `model`, written into `out`.
+    fn route(
+        &self,
+        model: ModelIndex,
+        features: &BatchFeatures,
+        batch: &[StepView],
+        out: &mut Vec<Route>,
+    );
+
+    fn send(&self, from: ModelIndex, to: ModelIndex, step: &StepView) -> SendPlan;
+
+    fn receive(&self, _arrival: &Arrival) -> Resume {
+        Resume::Extend
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RoutingError {
+    #[error("routing: {0}")]
+    Config(String),
+}
+
+/// Builds the algorithm `config.routing` names, resolving model roles and names to indices.
+pub fn build(config: &Config) -> Result<Arc<dyn RoutingAlgorithm>, RoutingError> {
+    let pair = || match (config.role_index(Role::Slm), config.role_index(Role::Llm)) {
+        (Some(slm), Some(llm)) if slm != llm => Ok(Pair { slm, llm }),
+        _ => Err(RoutingError::Config(
+            "this algorithm needs models with role = \"slm\" and role = \"llm\"".into(),
+        )),
+    };
+    Ok(match &config.routing {
+        RoutingConfig::Single { model } => {
+            let index = match model {
+                Some(name) => config
+                    .models
+                    .iter()
+                    .position(|m| &m.name == name)
+                    .ok_or_else(|| RoutingError::Config(format!("no model named '{name}'")))?,
+                None => 0,
+            };
+            Arc::new(SingleModel::new(index))
+        }
+        RoutingConfig::Entropy { threshold } => {
+            Arc::new(EntropyThreshold::new(pair()?, *threshold))
+        }
+        RoutingConfig::RStitch { high, low } => Arc::new(RStitch::new(pair()?, *high, *low)),
+    })
+}
+
+/// Applies a per-row rule to a batch, for algorithms whose decisions are independent per row.
+fn route_rows(
+    batch: &[StepView],
+    out: &mut Vec<Route>,
+    mut rule: impl FnMut(usize, &StepView) -> Route,
+) {
+    out.clear();
+    out.extend(batch.iter().enumerate().map(|(i, s)| rule(i, s)));
+}
