@@ -65,12 +65,15 @@ pub enum Role {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MemorySettings {
-    pub kv_budget_mb: usize,
+    /// MiB (fractions allowed) for the KV caches of all models together.
+    pub kv_budget_mb: f64,
 }
 
 impl Default for MemorySettings {
     fn default() -> Self {
-        Self { kv_budget_mb: 1024 }
+        Self {
+            kv_budget_mb: 1024.0,
+        }
     }
 }
 
@@ -192,8 +195,8 @@ impl Config {
                     .into(),
             );
         }
-        if self.memory.kv_budget_mb == 0 {
-            return Err("memory.kv_budget_mb must be at least 1".into());
+        if self.memory.kv_budget_mb.is_nan() || self.memory.kv_budget_mb <= 0.0 {
+            return Err("memory.kv_budget_mb must be a positive number of MiB".into());
         }
         let bs = self.kv_cache.block_size;
         if bs == 0 || bs > MAX_BLOCK_SIZE {
@@ -233,12 +236,16 @@ impl Config {
                 format!("routing.model = \"{name}\" names no model in [[models]]"),
             ),
             RoutingConfig::Single { .. } => Ok(()),
-            RoutingConfig::Entropy { threshold } if !(*threshold >= 0.0) => Err(format!(
-                "routing.threshold = {threshold}: must be an entropy in nats, >= 0"
-            )),
-            RoutingConfig::RStitch { high, low } if !(*low >= 0.0 && high >= low) => Err(format!(
-                "routing.high = {high}, routing.low = {low}: need 0 <= low <= high (nats)"
-            )),
+            RoutingConfig::Entropy { threshold } if threshold.is_nan() || *threshold < 0.0 => Err(
+                format!("routing.threshold = {threshold}: must be an entropy in nats, >= 0"),
+            ),
+            RoutingConfig::RStitch { high, low }
+                if low.is_nan() || *low < 0.0 || high.is_nan() || high < low =>
+            {
+                Err(format!(
+                    "routing.high = {high}, routing.low = {low}: need 0 <= low <= high (nats)"
+                ))
+            }
             RoutingConfig::Entropy { .. } | RoutingConfig::RStitch { .. } => {
                 match (self.role_index(Role::Slm), self.role_index(Role::Llm)) {
                     (Some(s), Some(l)) if s != l => Ok(()),

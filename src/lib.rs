@@ -11,6 +11,7 @@
 //! See `ARCHITECTURE.md` in the shared design folder for the layers still to come (scheduler,
 //! routing, actors, server, tuning, gateway).
 
+pub mod actors;
 pub mod config;
 pub mod kernels;
 pub mod model;

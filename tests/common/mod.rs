@@ -2,6 +2,8 @@
 //! step by step, and comparing greedy decoding against a reference implementation.
 #![allow(dead_code)]
 
+pub mod oracle;
+
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};

@@ -1,0 +1,98 @@
+//! What crosses between actors. The same types would travel as frames between processes; they
+//! carry no actor addresses except the request's event sink.
+
+use std::sync::Arc;
+
+use actix::Message;
+
+use crate::model::runner::FinishReason;
+use crate::model::SamplingParams;
+use crate::routing::ModelIndex;
+use crate::scheduler::RequestId;
+
+/// Where a request's token events go (its request actor). `send` returns false once nobody
+/// listens any more, so the model actor can drop the request.
+pub trait EventSink: Send + Sync {
+    fn send(&self, event: TokenEvent) -> bool;
+}
+
+/// A request's fixed facts, shared by every model that serves it.
+pub struct RequestMeta {
+    pub id: RequestId,
+    pub prompt_len: usize,
+    pub params: SamplingParams,
+    /// Output tokens at most (already capped by the context).
+    pub max_tokens: usize,
+    /// Token ids that end generation (empty with `ignore_eos`).
+    pub stop_ids: Vec<u32>,
+    /// The model that admitted the request; it alone counts the request as active.
+    pub home: ModelIndex,
+    pub sink: Arc<dyn EventSink>,
+}
+
+/// From a model actor to the request actor.
+#[derive(Debug, Clone, PartialEq, Message)]
+#[rtype(result = "()")]
+pub enum TokenEvent {
+    /// `model` committed `token`.
+    Token {
+        token: u32,
+        model: ModelIndex,
+    },
+    /// The request moved from one model to another.
+    Moved {
+        from: ModelIndex,
+        to: ModelIndex,
+    },
+    /// The model ended the request (end-of-sequence token, max tokens or context length).
+    Finished {
+        reason: FinishReason,
+    },
+    Failed {
+        message: String,
+    },
+}
+
+/// A new request for its first model: the whole prompt is prefilled there.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Submit {
+    pub meta: Arc<RequestMeta>,
+    pub prompt: Vec<u32>,
+}
+
+/// The request actor ends a request (stop string, cancellation): every model drops its state.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Abort {
+    pub id: RequestId,
+}
+
+/// A request moving to a peer with every committed token; the peer extends (or, on a first
+/// visit, prefills) what it does not hold yet.
+#[derive(Clone)]
+pub struct Handoff {
+    pub meta: Arc<RequestMeta>,
+    pub tokens: Vec<u32>,
+}
+
+pub enum PeerBody {
+    Handoff(Handoff),
+    /// The request ended at the sender; drop any pending state.
+    Release(RequestId),
+    /// Lock-step mode: the sender finished this round.
+    RoundDone(u64),
+    /// Nothing but the counter below.
+    Counters,
+}
+
+/// Model actor to model actor. Every message carries the admissions minus completions the
+/// sender counted since its last message to this peer, so each actor keeps an estimate of the
+/// requests active system-wide without a coordinator.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct PeerMessage {
+    pub from: ModelIndex,
+    pub active_delta: i64,
+    pub body: PeerBody,
+}

@@ -1,0 +1,14 @@
+//! The actor runtime: one [`ModelActor`] per model, one [`RequestActor`] per request, and the
+//! messages between them. Actors are thin: they deliver messages to plain structs
+//! ([`worker::ModelWorker`], [`request::RequestState`]) that hold all state and logic, so the
+//! actor library could be replaced without touching scheduling or routing.
+
+pub mod messages;
+pub mod model_actor;
+pub mod request;
+pub mod runtime;
+pub mod worker;
+
+pub use model_actor::ModelActor;
+pub use request::{GenerateRequest, Prompt, RequestActor, RequestEvent, Summary};
+pub use runtime::{load_models, RequestHandle, Runtime};

@@ -1,0 +1,172 @@
+//! Wiring from `config.toml`: loads the models, checks they can be routed together, splits one
+//! KV memory budget between them, starts one model actor per model on its own arbiter thread,
+//! and starts a request actor per submitted request. Must be used inside an actix system.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::{Actor, Addr, Arbiter};
+use candle_core::Device;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::model_actor::{GetStats, ModelActor, Wire};
+use super::request::{Cancel, GenerateRequest, Prompt, RequestActor, RequestError, RequestEvent};
+use super::worker::{ModelWorker, Stepping, WorkerSetup, WorkerStats};
+use crate::config::{Config, SchedulingMode};
+use crate::model::{KvCache, LoadedModel, ModelError};
+use crate::routing::{RoutingAlgorithm, RoutingError};
+use crate::scheduler::{DelayedBatching, LaunchPolicy, RequestId, SchedulerLimits};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("model '{name}' ({path}): {source}")]
+    Model {
+        name: String,
+        path: PathBuf,
+        #[source]
+        source: Box<ModelError>,
+    },
+    #[error(transparent)]
+    Routing(#[from] RoutingError),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// What request actors share: the model actors, the tokenizer and the routing function.
+pub struct RuntimeShared {
+    pub model_names: Vec<String>,
+    pub models: Vec<Addr<ModelActor>>,
+    /// The model whose tokenizer and chat template requests use (all routed models share the
+    /// tokenizer).
+    pub lead: Arc<LoadedModel>,
+    pub eos: Vec<u32>,
+    pub vocab_size: usize,
+    pub router: Arc<dyn RoutingAlgorithm>,
+    /// Longest sequence every model can hold (context length and KV share).
+    pub max_context: usize,
+    next_id: AtomicU64,
+}
+
+/// A validated request: its prompt tokens and output budget.
+pub struct Admitted {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+}
+
+impl RuntimeShared {
+    /// Tokenizes and validates, naming the field at fault.
+    pub fn prepare(&self, request: &GenerateRequest) -> Result<Admitted, RequestError> {
+        request
+            .params
+            .validate()
+            .map_err(|e| RequestError::invalid(e.to_string()))?;
+        let prompt = match &request.prompt {
+            Prompt::Text(text) => self.encode(text)?,
+            Prompt::Chat(messages) => {
+                let template = self.lead.chat_template.as_ref().ok_or_else(|| {
+                    RequestError::invalid("messages: the model has no chat template")
+                })?;
+                let text = template
+                    .render(messages, true)
+                    .map_err(|e| RequestError::invalid(format!("messages: {e}")))?;
+                self.encode(&text)?
+            }
+            Prompt::Tokens(ids) => {
+                if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+                    return Err(RequestError::invalid(format!(
+                        "input_ids: token {bad} is outside the vocabulary (size {})",
+                        self.vocab_size
+                    )));
+                }
+                ids.clone()
+            }
+        };
+        if prompt.is_empty() {
+            return Err(RequestError::invalid("prompt: the prompt is empty"));
+        }
+        let room = self.max_context.saturating_sub(prompt.len());
+        if room == 0 {
+            return Err(RequestError::invalid(format!(
+                "prompt: {} tokens do not fit the context of {} tokens",
+                prompt.len(),
+                self.max_context
+            )));
+        }
+        let max_tokens = match request.max_tokens {
+            None => room,
+            Some(0) => return Err(RequestError::invalid("max_tokens: must be at least 1")),
+            Some(n) if n > room => {
+                return Err(RequestError::invalid(format!(
+                    "max_tokens: {n} plus the prompt's {} tokens exceed the context of {} tokens",
+                    prompt.len(),
+                    self.max_context
+                )))
+            }
+            Some(n) => n,
+        };
+        Ok(Admitted { prompt, max_tokens })
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        let enc = self
+            .lead
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| RequestError {
+                kind: super::request::ErrorKind::Internal,
+                message: format!("tokenizer: {e}"),
+            })?;
+        Ok(enc.get_ids().to_vec())
+    }
+}
+
+/// One model's share of the KV budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvShare {
+    pub blocks: usize,
+    pub tokens: usize,
+    pub bytes: usize,
+}
+
+/// The largest common token capacity whose caches all fit in `budget_bytes`, as blocks.
+pub fn split_kv_budget(
+    bytes_per_token: &[usize],
+    block_size: usize,
+    budget_bytes: usize,
+) -> Vec<KvShare> {
+    let per_token: usize = bytes_per_token.iter().sum();
+    let blocks = budget_bytes / (per_token * block_size).max(1);
+    bytes_per_token
+        .iter()
+        .map(|b| KvShare {
+            blocks,
+            tokens: blocks * block_size,
+            bytes: blocks * block_size * b,
+        })
+        .collect()
+}
+
+/// A running runtime: the model actors and what request actors need.
+pub struct Runtime {
+    shared: Arc<RuntimeShared>,
+    kv: Vec<KvShare>,
+    arbiters: Vec<Arbiter>,
+}
+
+/// A submitted request: its events, ending with exactly one terminal event.
+pub struct RequestHandle {
+    pub id: RequestId,
+    pub events: UnboundedReceiver<RequestEvent>,
+    actor: Addr<RequestActor>,
+}
+
+impl RequestHandle {
+    pub fn cancel(&self) {
+        self.actor.do_send(Cancel);
+    }
+}
+
+mod start;
+pub use start::load_models;

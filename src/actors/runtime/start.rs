@@ -1,0 +1,168 @@
+//! Starting the runtime and talking to it.
+
+use super::*;
+
+/// Loads every configured model, naming the model in any error.
+pub fn load_models(
+    config: &Config,
+    device: &Device,
+) -> Result<Vec<Arc<LoadedModel>>, RuntimeError> {
+    config
+        .models
+        .iter()
+        .map(|m| {
+            LoadedModel::load(&m.path, device)
+                .map(Arc::new)
+                .map_err(|source| RuntimeError::Model {
+                    name: m.name.clone(),
+                    path: m.path.clone(),
+                    source: Box::new(source),
+                })
+        })
+        .collect()
+}
+
+impl Runtime {
+    /// Starts one model actor per entry of `models` (in `config.models` order).
+    pub fn start(config: &Config, models: Vec<Arc<LoadedModel>>) -> Result<Self, RuntimeError> {
+        let router = crate::routing::build(config)?;
+        let home = router.first_model(&[]);
+        if models.len() > 1 {
+            check_same_tokenizer(config, &models)?;
+        }
+        let bytes: Vec<usize> = models
+            .iter()
+            .map(|m| KvCache::bytes_per_token(m.model.config()))
+            .collect();
+        let block_size = config.kv_cache.block_size;
+        let kv = split_kv_budget(
+            &bytes,
+            block_size,
+            (config.memory.kv_budget_mb * (1 << 20) as f64) as usize,
+        );
+        if kv[0].blocks == 0 {
+            return Err(RuntimeError::Config(format!(
+                "memory.kv_budget_mb = {} cannot hold one block of {block_size} tokens for every model; raise it",
+                config.memory.kv_budget_mb
+            )));
+        }
+        for (m, share) in config.models.iter().zip(&kv) {
+            tracing::info!(model = %m.name, blocks = share.blocks, tokens = share.tokens,
+                mib = share.bytes >> 20, "KV cache share");
+        }
+        let s = &config.scheduler;
+        let mut workers = Vec::new();
+        for (index, (entry, model)) in config.models.iter().zip(&models).enumerate() {
+            let stepping = match s.mode {
+                SchedulingMode::Sync => Stepping::Sync,
+                SchedulingMode::Eager => Stepping::Async(LaunchPolicy::Eager),
+                SchedulingMode::Delayed => {
+                    Stepping::Async(LaunchPolicy::Delayed(DelayedBatching {
+                        threshold: entry.batch_threshold,
+                        max_wait: Duration::from_millis(s.max_wait_ms),
+                    }))
+                }
+            };
+            let setup = WorkerSetup {
+                index,
+                name: entry.name.clone(),
+                num_models: models.len(),
+                model: model.clone(),
+                router: router.clone(),
+                limits: SchedulerLimits {
+                    block_size,
+                    num_blocks: kv[index].blocks,
+                    max_batch_tokens: s.max_batch_tokens,
+                    max_batch_requests: s.max_batch_requests,
+                },
+                stepping,
+            };
+            let worker = ModelWorker::new(setup).map_err(|source| RuntimeError::Model {
+                name: entry.name.clone(),
+                path: entry.path.clone(),
+                source: Box::new(source),
+            })?;
+            workers.push(worker);
+        }
+        let max_context = workers.iter().map(ModelWorker::max_len).min().unwrap_or(0);
+        let mut arbiters = Vec::new();
+        let mut addrs = Vec::new();
+        for worker in workers {
+            let arbiter = Arbiter::new();
+            addrs.push(ModelActor::start_in_arbiter(&arbiter.handle(), move |_| {
+                ModelActor::new(worker)
+            }));
+            arbiters.push(arbiter);
+        }
+        for addr in &addrs {
+            addr.do_send(Wire(addrs.iter().map(|a| a.clone().recipient()).collect()));
+        }
+        let lead = models[home].clone();
+        let shared = RuntimeShared {
+            model_names: config.models.iter().map(|m| m.name.clone()).collect(),
+            models: addrs,
+            eos: lead.special.eos.clone(),
+            lead: lead.clone(),
+            vocab_size: models
+                .iter()
+                .map(|m| m.model.config().vocab_size)
+                .min()
+                .unwrap_or(0),
+            router,
+            max_context,
+            next_id: AtomicU64::new(1),
+        };
+        Ok(Self {
+            shared: Arc::new(shared),
+            kv,
+            arbiters,
+        })
+    }
+
+    pub fn shared(&self) -> &Arc<RuntimeShared> {
+        &self.shared
+    }
+
+    pub fn kv_shares(&self) -> &[KvShare] {
+        &self.kv
+    }
+
+    /// Starts a request actor for `request` on the current arbiter.
+    pub fn submit(&self, request: GenerateRequest) -> RequestHandle {
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, events) = unbounded_channel();
+        let actor = RequestActor::new(self.shared.clone(), id, request, tx).start();
+        RequestHandle { id, events, actor }
+    }
+
+    /// Every model's counters, in model order.
+    pub async fn stats(&self) -> Vec<WorkerStats> {
+        let mut out = Vec::new();
+        for addr in &self.shared.models {
+            out.push(addr.send(GetStats).await.unwrap_or_default());
+        }
+        out
+    }
+
+    /// Stops the model actors' threads.
+    pub fn stop(self) {
+        for arbiter in self.arbiters {
+            arbiter.stop();
+            let _ = arbiter.join();
+        }
+    }
+}
+
+/// Token routing passes token ids between models: their vocabularies must be identical.
+fn check_same_tokenizer(config: &Config, models: &[Arc<LoadedModel>]) -> Result<(), RuntimeError> {
+    let first = models[0].tokenizer.get_vocab(true);
+    for (entry, model) in config.models.iter().zip(models).skip(1) {
+        if model.tokenizer.get_vocab(true) != first {
+            return Err(RuntimeError::Config(format!(
+                "models '{}' and '{}' have different tokenizers, so tokens cannot be routed between them; pair models of one family (or use routing.algorithm = \"single\")",
+                config.models[0].name, entry.name
+            )));
+        }
+    }
+    Ok(())
+}

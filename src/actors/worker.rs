@@ -1,0 +1,299 @@
+//! One model's serving state and its step, as a plain struct: the model actor only delivers
+//! messages to it and the peer messages it queues. Owns the KV cache, the scheduler, the
+//! requests present here (running or pending) and the co-located routing function.
+//!
+//! Guarantees: a request removed here (finished, aborted, released by a peer, or whose listener
+//! is gone) gives back all its blocks and is remembered for a while, so a handoff still in
+//! flight for it is dropped instead of leaking; only the request's home model counts it in the
+//! active-request estimate, once in and once out.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::messages::{Handoff, PeerBody, PeerMessage, RequestMeta, TokenEvent};
+use crate::kernels::routing_features::entropy_rows;
+use crate::model::runner::FinishReason;
+use crate::model::{BlockTable, KvCache, LoadedModel, Sampler, SeqInput};
+use crate::routing::{
+    Arrival, BatchFeatures, ModelIndex, Resume, Route, RoutingAlgorithm, StepView,
+};
+use crate::scheduler::{
+    Launch, LaunchPolicy, LockStep, Plan, RequestId, Scheduler, SchedulerLimits,
+};
+
+/// How a worker decides to launch: by its own launch policy, or in lock-step with its peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stepping {
+    Async(LaunchPolicy),
+    Sync,
+}
+
+pub struct WorkerSetup {
+    pub index: ModelIndex,
+    pub name: String,
+    pub num_models: usize,
+    pub model: Arc<LoadedModel>,
+    pub router: Arc<dyn RoutingAlgorithm>,
+    pub limits: SchedulerLimits,
+    pub stepping: Stepping,
+}
+
+/// Counters a model reports (for tests, logs and metrics).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    pub name: String,
+    pub total_blocks: usize,
+    pub free_blocks: usize,
+    /// Requests with state here, running or pending.
+    pub requests: usize,
+    pub pending: usize,
+    pub steps: u64,
+    pub batched_requests: u64,
+    pub tokens_committed: u64,
+    pub handoffs_out: u64,
+    pub preemptions: u64,
+    pub active_estimate: i64,
+}
+
+struct Local {
+    meta: Arc<RequestMeta>,
+    tokens: Vec<u32>,
+    table: BlockTable,
+    sampler: Sampler,
+    tokens_here: usize,
+}
+
+const TOMBSTONES: usize = 8192;
+const COUNTER_FLUSH: Duration = Duration::from_millis(50);
+
+pub struct ModelWorker {
+    index: ModelIndex,
+    name: String,
+    model: Arc<LoadedModel>,
+    router: Arc<dyn RoutingAlgorithm>,
+    kv: KvCache,
+    sched: Scheduler,
+    stepping: Stepping,
+    lockstep: LockStep,
+    requests: HashMap<RequestId, Local>,
+    ended: HashSet<RequestId>,
+    ended_order: VecDeque<RequestId>,
+    max_len: usize,
+    active: i64,
+    unsent: Vec<i64>,
+    last_sent: Vec<Instant>,
+    outbox: Vec<(ModelIndex, PeerMessage)>,
+    stats: WorkerStats,
+}
+
+impl ModelWorker {
+    pub fn new(setup: WorkerSetup) -> crate::model::Result<Self> {
+        let config = setup.model.model.config();
+        let limits = setup.limits;
+        let kv = KvCache::new(config, limits.block_size, limits.num_blocks)?;
+        let max_len = config
+            .context_length
+            .min(limits.num_blocks * limits.block_size);
+        let now = Instant::now();
+        Ok(Self {
+            index: setup.index,
+            stats: WorkerStats {
+                name: setup.name.clone(),
+                total_blocks: limits.num_blocks,
+                ..WorkerStats::default()
+            },
+            name: setup.name,
+            router: setup.router,
+            kv,
+            sched: Scheduler::new(limits),
+            stepping: setup.stepping,
+            lockstep: LockStep::new(setup.num_models, setup.index),
+            requests: HashMap::new(),
+            ended: HashSet::new(),
+            ended_order: VecDeque::new(),
+            max_len,
+            active: 0,
+            unsent: vec![0; setup.num_models],
+            last_sent: vec![now; setup.num_models],
+            outbox: Vec::new(),
+            model: setup.model,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Longest sequence a request may reach here.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// A new request whose first model is this one.
+    pub fn submit(&mut self, meta: Arc<RequestMeta>, prompt: Vec<u32>, now: Instant) {
+        if meta.home == self.index {
+            self.count_active(1);
+        }
+        self.admit(meta, prompt, now);
+    }
+
+    /// A request arriving from a peer: extend a pending one, or admit it on its first visit.
+    pub fn handoff(&mut self, from: ModelIndex, handoff: Handoff, now: Instant) {
+        let id = handoff.meta.id;
+        if self.ended.contains(&id) {
+            return;
+        }
+        let Some(local) = self.requests.get_mut(&id) else {
+            return self.admit(handoff.meta, handoff.tokens, now);
+        };
+        debug_assert!(handoff.tokens.starts_with(&local.tokens));
+        let cached = self.sched.computed(id);
+        let arrival = Arrival {
+            from,
+            to: self.index,
+            cached,
+            total: handoff.tokens.len(),
+        };
+        let recompute =
+            self.router.receive(&arrival) == Resume::Recompute || handoff.tokens.len() < cached;
+        if recompute {
+            self.kv.release(&mut local.table);
+        }
+        local.tokens = handoff.tokens;
+        local.tokens_here = 0;
+        self.sched.resume(id, local.tokens.len(), recompute, now);
+    }
+
+    fn admit(&mut self, meta: Arc<RequestMeta>, tokens: Vec<u32>, now: Instant) {
+        let sampler = match Sampler::new(meta.params.clone()) {
+            Ok(s) => s,
+            Err(e) => {
+                meta.sink.send(TokenEvent::Failed {
+                    message: e.to_string(),
+                });
+                return self.end(meta.id, true);
+            }
+        };
+        if tokens.is_empty() || tokens.len() >= self.max_len {
+            meta.sink.send(TokenEvent::Failed {
+                message: format!(
+                    "the sequence has {} tokens; model '{}' holds 1 to {}",
+                    tokens.len(),
+                    self.name,
+                    self.max_len - 1
+                ),
+            });
+            return self.end(meta.id, true);
+        }
+        self.sched.add(meta.id, tokens.len(), now);
+        let local = Local {
+            meta,
+            tokens,
+            table: BlockTable::default(),
+            sampler,
+            tokens_here: 0,
+        };
+        self.requests.insert(local.meta.id, local);
+    }
+
+    /// The request actor ended the request.
+    pub fn abort(&mut self, id: RequestId) {
+        self.end(id, false);
+    }
+
+    /// Drops every trace of `id` here, telling the peers too when `tell_peers`.
+    fn end(&mut self, id: RequestId, tell_peers: bool) {
+        if let Some(mut local) = self.requests.remove(&id) {
+            self.kv.release(&mut local.table);
+            self.sched.finish(id);
+            if local.meta.home == self.index {
+                self.count_active(-1);
+            }
+        }
+        if self.ended.insert(id) {
+            self.ended_order.push_back(id);
+            if self.ended_order.len() > TOMBSTONES {
+                let old = self.ended_order.pop_front().expect("not empty");
+                self.ended.remove(&old);
+            }
+        }
+        if tell_peers {
+            for peer in self.peers() {
+                self.send(peer, PeerBody::Release(id));
+            }
+        }
+    }
+
+    pub fn peer_message(&mut self, msg: PeerMessage, now: Instant) {
+        self.active += msg.active_delta;
+        match msg.body {
+            PeerBody::Handoff(h) => self.handoff(msg.from, h, now),
+            PeerBody::Release(id) => self.end(id, false),
+            PeerBody::RoundDone(round) => self.lockstep.peer_finished(msg.from, round),
+            PeerBody::Counters => {}
+        }
+    }
+
+    fn peers(&self) -> impl Iterator<Item = ModelIndex> {
+        let me = self.index;
+        (0..self.unsent.len()).filter(move |&p| p != me)
+    }
+
+    fn send(&mut self, to: ModelIndex, body: PeerBody) {
+        let active_delta = std::mem::take(&mut self.unsent[to]);
+        self.last_sent[to] = Instant::now();
+        self.outbox.push((
+            to,
+            PeerMessage {
+                from: self.index,
+                active_delta,
+                body,
+            },
+        ));
+    }
+
+    fn count_active(&mut self, delta: i64) {
+        self.active += delta;
+        for p in self.peers().collect::<Vec<_>>() {
+            self.unsent[p] += delta;
+        }
+    }
+
+    /// Peer messages queued since the last call; counters that found no message to ride on
+    /// for a while (or at all, when this model is idle) get one of their own.
+    pub fn take_outbox(&mut self, idle: bool) -> Vec<(ModelIndex, PeerMessage)> {
+        for p in self.peers().collect::<Vec<_>>() {
+            if self.unsent[p] != 0 && (idle || self.last_sent[p].elapsed() >= COUNTER_FLUSH) {
+                self.send(p, PeerBody::Counters);
+            }
+        }
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// When the next step should run.
+    pub fn next_launch(&self, now: Instant) -> Launch {
+        let (ready, oldest) = self.sched.ready();
+        match self.stepping {
+            Stepping::Async(policy) => {
+                policy.decide(ready, oldest, now, self.active.max(0) as usize)
+            }
+            Stepping::Sync if self.lockstep.may_start(ready > 0) => Launch::Now,
+            Stepping::Sync => Launch::Idle,
+        }
+    }
+
+    pub fn stats(&self) -> WorkerStats {
+        let s = self.sched.stats();
+        WorkerStats {
+            free_blocks: self.kv.num_free_blocks(),
+            requests: self.requests.len(),
+            pending: s.away,
+            preemptions: s.preemptions,
+            active_estimate: self.active,
+            ..self.stats.clone()
+        }
+    }
+}
+
+mod step;

@@ -1,0 +1,204 @@
+//! One step of a model worker: plan, forward, sample, route the whole batch, then commit,
+//! hand off or finish each request.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use super::*;
+
+/// A sampled request of the batch, with its logits row.
+struct Sampled {
+    id: RequestId,
+    row: usize,
+    token: u32,
+}
+
+impl ModelWorker {
+    /// Runs one step if the launch rule allows it now; returns whether one ran.
+    pub fn step(&mut self, now: Instant) -> bool {
+        if self.next_launch(now) != Launch::Now {
+            return false;
+        }
+        let plan = self.sched.schedule();
+        for id in &plan.preempted {
+            if let Some(local) = self.requests.get_mut(id) {
+                self.kv.release(&mut local.table);
+            }
+        }
+        if !plan.items.is_empty() {
+            match self.forward(&plan) {
+                Ok(logits) => self.after_forward(&plan, &logits, now),
+                Err(message) => self.fail_plan(&plan, &message),
+            }
+        }
+        if self.stepping == Stepping::Sync {
+            let round = self.lockstep.finish_round();
+            for peer in self.peers().collect::<Vec<_>>() {
+                self.send(peer, PeerBody::RoundDone(round));
+            }
+        }
+        true
+    }
+
+    /// Reserves the planned blocks and runs the batch; returns its logits, `[items, vocab]`.
+    /// A panic inside the model is caught and reported like an error.
+    fn forward(&mut self, plan: &Plan) -> Result<Vec<f32>, String> {
+        for item in &plan.items {
+            let local = self.requests.get_mut(&item.id).expect("planned request");
+            self.kv
+                .reserve(&mut local.table, item.start + item.num_tokens)
+                .map_err(|e| format!("scheduler and KV cache disagree: {e}"))?;
+        }
+        let inputs: Vec<SeqInput> = plan
+            .items
+            .iter()
+            .map(|item| {
+                let local = &self.requests[&item.id];
+                SeqInput {
+                    tokens: &local.tokens[item.start..item.start + item.num_tokens],
+                    start_pos: item.start,
+                    blocks: &local.table,
+                }
+            })
+            .collect();
+        let model = &self.model.model;
+        let kv = &mut self.kv;
+        let run = catch_unwind(AssertUnwindSafe(|| -> crate::model::Result<Vec<f32>> {
+            let out = model.forward(&inputs, kv, false)?;
+            Ok(out.logits.flatten_all()?.to_vec1::<f32>()?)
+        }));
+        self.stats.steps += 1;
+        self.stats.batched_requests += plan.items.len() as u64;
+        match run {
+            Ok(Ok(logits)) => Ok(logits),
+            Ok(Err(e)) => Err(format!("forward pass of model '{}' failed: {e}", self.name)),
+            Err(panic) => Err(format!(
+                "forward pass of model '{}' panicked: {}",
+                self.name,
+                panic_message(&panic)
+            )),
+        }
+    }
+
+    fn after_forward(&mut self, plan: &Plan, logits: &[f32], now: Instant) {
+        self.sched.advance(plan);
+        let vocab = self.model.model.config().vocab_size;
+        let mut sampled = Vec::new();
+        for (row, item) in plan.items.iter().enumerate() {
+            if !item.samples {
+                continue;
+            }
+            let local = self.requests.get_mut(&item.id).expect("planned request");
+            let (prompt, output) = local.tokens.split_at(local.meta.prompt_len);
+            let row_logits = &logits[row * vocab..(row + 1) * vocab];
+            let token = local.sampler.sample(row_logits, prompt, output);
+            sampled.push(Sampled {
+                id: item.id,
+                row,
+                token,
+            });
+        }
+        let mut entropy = Vec::new();
+        if self.router.needs().entropy {
+            entropy = vec![0.0; plan.items.len()];
+            entropy_rows(logits, vocab, &mut entropy);
+            entropy = sampled.iter().map(|s| entropy[s.row]).collect();
+        }
+        let views: Vec<StepView> = sampled
+            .iter()
+            .map(|s| {
+                let local = &self.requests[&s.id];
+                StepView {
+                    model: self.index,
+                    token: s.token,
+                    tokens_here: local.tokens_here,
+                    generated: local.tokens.len() - local.meta.prompt_len,
+                }
+            })
+            .collect();
+        let features = BatchFeatures { entropy: &entropy };
+        let mut routes = Vec::with_capacity(views.len());
+        self.router
+            .route(self.index, &features, &views, &mut routes);
+        for ((s, view), route) in sampled.iter().zip(&views).zip(routes) {
+            self.apply_route(s.id, view, route, now);
+        }
+    }
+
+    fn apply_route(&mut self, id: RequestId, view: &StepView, route: Route, now: Instant) {
+        let to = match route {
+            Route::Move(to) if to != self.index && to < self.unsent.len() => to,
+            _ => {
+                if self.commit(id, view.token) {
+                    self.sched.commit(id, now);
+                }
+                return;
+            }
+        };
+        let plan = self.router.send(self.index, to, view);
+        if plan.keep_token && !self.commit(id, view.token) {
+            return;
+        }
+        self.sched.leave(id, plan.keep_token);
+        let local = &self.requests[&id];
+        let handoff = Handoff {
+            meta: local.meta.clone(),
+            tokens: local.tokens.clone(),
+        };
+        if !local.meta.sink.send(TokenEvent::Moved {
+            from: self.index,
+            to,
+        }) {
+            return self.end(id, true);
+        }
+        self.stats.handoffs_out += 1;
+        self.send(to, PeerBody::Handoff(handoff));
+    }
+
+    /// Commits `token` for `id` and reports it; ends the request on a stop token, at its
+    /// length limit, or when nobody listens. Returns whether the request goes on.
+    fn commit(&mut self, id: RequestId, token: u32) -> bool {
+        let local = self.requests.get_mut(&id).expect("sampled request");
+        local.tokens.push(token);
+        local.tokens_here += 1;
+        self.stats.tokens_committed += 1;
+        let meta = local.meta.clone();
+        let generated = local.tokens.len() - meta.prompt_len;
+        if !meta.sink.send(TokenEvent::Token {
+            token,
+            model: self.index,
+        }) {
+            self.end(id, true);
+            return false;
+        }
+        let reason = if meta.stop_ids.contains(&token) {
+            FinishReason::Stop
+        } else if generated >= meta.max_tokens || local.tokens.len() >= self.max_len {
+            FinishReason::Length
+        } else {
+            return true;
+        };
+        meta.sink.send(TokenEvent::Finished { reason });
+        self.end(id, true);
+        false
+    }
+
+    fn fail_plan(&mut self, plan: &Plan, message: &str) {
+        tracing::error!(model = %self.name, requests = plan.items.len(), "{message}");
+        for item in &plan.items {
+            if let Some(local) = self.requests.get(&item.id) {
+                local.meta.sink.send(TokenEvent::Failed {
+                    message: message.to_string(),
+                });
+            }
+            self.end(item.id, true);
+        }
+    }
+}
+
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}

@@ -1,0 +1,303 @@
+//! The actor runtime on two tiny random models that share a tokenizer: token-routed greedy
+//! output equals the full-recompute oracle in every scheduling mode, and no workload (cancelled,
+//! stopped, preempted requests) leaks a KV block or a terminal event.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::Device;
+use common::oracle::{greedy_entropies, quantile, routed_greedy, OracleToken, Rule};
+use tokenrouter::actors::{GenerateRequest, Prompt, RequestEvent, RequestHandle, Runtime};
+use tokenrouter::config::Config;
+use tokenrouter::model::tiny::{write_gguf, TinySpec};
+use tokenrouter::model::{Architecture, LoadedModel, SamplingParams};
+
+struct Pair {
+    dir: tempfile::TempDir,
+    models: Vec<Arc<LoadedModel>>,
+}
+
+fn tiny_pair() -> Pair {
+    let dir = tempfile::tempdir().unwrap();
+    let slm = TinySpec {
+        seed: 11,
+        ..TinySpec::new(Architecture::Qwen2)
+    };
+    let llm = TinySpec {
+        seed: 12,
+        hidden_size: 128,
+        intermediate_size: 256,
+        num_layers: 3,
+        ..TinySpec::new(Architecture::Qwen2)
+    };
+    let mut models = Vec::new();
+    for (name, spec) in [("slm", slm), ("llm", llm)] {
+        let path = dir.path().join(format!("{name}.gguf"));
+        write_gguf(&spec, &path, &[GgmlDType::Q8_0, GgmlDType::Q4_0]).unwrap();
+        models.push(Arc::new(LoadedModel::load(&path, &Device::Cpu).unwrap()));
+    }
+    Pair { dir, models }
+}
+
+fn config(dir: &Path, rest: &str) -> Config {
+    let path = dir.join("config.toml");
+    let text = format!(
+        "[[models]]\nname = \"slm\"\npath = \"slm.gguf\"\nbatch_threshold = 3\n\
+         [[models]]\nname = \"llm\"\npath = \"llm.gguf\"\nbatch_threshold = 2\n\
+         [kv_cache]\nblock_size = 4\n{rest}"
+    );
+    std::fs::write(&path, text).unwrap();
+    Config::load(&path).unwrap()
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    (0..5u32)
+        .map(|k| (0..3 + 5 * k).map(|i| (i * 31 + k * 17) % 250).collect())
+        .collect()
+}
+
+/// Thresholds inside the models' own entropy ranges, so that routing really happens.
+fn rules(pair: &Pair) -> [(Rule, String); 2] {
+    let (mut hs, mut hl) = (Vec::new(), Vec::new());
+    for p in prompts().iter().take(2) {
+        hs.extend(greedy_entropies(&pair.models[0].model, p, 12));
+        hl.extend(greedy_entropies(&pair.models[1].model, p, 12));
+    }
+    let threshold = quantile(&hs, 0.6);
+    let (high, low) = (quantile(&hs, 0.7), quantile(&hl, 0.5));
+    [
+        (
+            Rule::Entropy { threshold },
+            format!("[routing]\nalgorithm = \"entropy\"\nthreshold = {threshold}\n"),
+        ),
+        (
+            Rule::RStitch { high, low },
+            format!("[routing]\nalgorithm = \"r-stitch\"\nhigh = {high}\nlow = {low}\n"),
+        ),
+    ]
+}
+
+#[derive(Debug, Default)]
+struct Outcome {
+    tokens: Vec<OracleToken>,
+    text: String,
+    terminals: Vec<RequestEvent>,
+}
+
+async fn collect(mut handle: RequestHandle, cancel_after: Option<usize>) -> Outcome {
+    let mut out = Outcome::default();
+    while let Some(event) = handle.events.recv().await {
+        match &event {
+            RequestEvent::Text { text, tokens } => {
+                out.text.push_str(text);
+                out.tokens.extend(
+                    tokens
+                        .iter()
+                        .map(|&(token, model)| OracleToken { token, model }),
+                );
+                if cancel_after.is_some_and(|n| out.tokens.len() >= n) {
+                    handle.cancel();
+                }
+            }
+            e if e.is_terminal() => out.terminals.push(event),
+            _ => {}
+        }
+    }
+    out
+}
+
+fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
+    GenerateRequest::new(
+        Prompt::Tokens(prompt.to_vec()),
+        SamplingParams::greedy(),
+        max_tokens,
+    )
+}
+
+/// Runs `body` inside an actix system with a runtime over `pair`'s models.
+fn with_runtime<T>(config: &Config, pair: &Pair, body: impl AsyncFnOnce(&Runtime) -> T) -> T {
+    actix::System::new().block_on(async {
+        let runtime = Runtime::start(config, pair.models.clone()).unwrap();
+        let out = body(&runtime).await;
+        let stats = runtime.stats().await;
+        for s in &stats {
+            assert_eq!(
+                s.free_blocks, s.total_blocks,
+                "{} leaked blocks: {s:?}",
+                s.name
+            );
+            assert_eq!(s.requests, 0, "{} still holds requests: {s:?}", s.name);
+        }
+        runtime.stop();
+        out
+    })
+}
+
+#[test]
+fn routed_greedy_output_equals_the_full_recompute_oracle_in_every_mode() {
+    let pair = tiny_pair();
+    let models = [&pair.models[0].model, &pair.models[1].model];
+    let max_tokens = 20;
+    for (rule, routing) in rules(&pair) {
+        let expected: Vec<_> = prompts()
+            .iter()
+            .map(|p| routed_greedy(models, rule, p, max_tokens, &[]))
+            .collect();
+        let routed: usize = expected
+            .iter()
+            .flat_map(|t| &t.tokens)
+            .filter(|t| t.model == 1)
+            .count();
+        assert!(routed > 0, "{rule:?}: the oracle never used the LLM");
+        for mode in ["delayed", "eager", "sync"] {
+            let config = config(
+                pair.dir.path(),
+                &format!("{routing}[scheduler]\nmode = \"{mode}\"\n"),
+            );
+            let outcomes = with_runtime(&config, &pair, async |rt| {
+                let handles: Vec<_> = prompts()
+                    .iter()
+                    .map(|p| {
+                        let mut req = greedy(p, max_tokens);
+                        req.ignore_eos = true;
+                        rt.submit(req)
+                    })
+                    .collect();
+                let mut out = Vec::new();
+                for h in handles {
+                    out.push(collect(h, None).await);
+                }
+                out
+            });
+            for (i, (got, want)) in outcomes.iter().zip(&expected).enumerate() {
+                assert_eq!(got.tokens, want.tokens, "{rule:?}, mode {mode}, prompt {i}");
+                assert!(
+                    matches!(got.terminals.as_slice(), [RequestEvent::Finished(s)] if s.completion_tokens == max_tokens),
+                    "{:?}",
+                    got.terminals
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cancelled_stopped_and_preempted_requests_leave_no_blocks_behind() {
+    let pair = tiny_pair();
+    let models = [&pair.models[0].model, &pair.models[1].model];
+    let [_, (rule, routing)] = rules(&pair);
+    // About 100 tokens of KV per model for 15 requests of up to 47 tokens: preemption is certain.
+    let config = config(
+        pair.dir.path(),
+        &format!("{routing}[memory]\nkv_budget_mb = 0.2\n[scheduler]\nmode = \"eager\"\nmax_batch_tokens = 32\n"),
+    );
+    let max_tokens = 24;
+    let (outcomes, stats) = with_runtime(&config, &pair, async |rt| {
+        let mut handles = Vec::new();
+        for round in 0..3 {
+            for (k, p) in prompts().iter().enumerate() {
+                let mut req = greedy(p, max_tokens);
+                req.ignore_eos = true;
+                if round == 2 {
+                    req.stop = vec!["e".into()];
+                }
+                let cancel = (round == 1 && k % 2 == 0).then_some(3 + k);
+                handles.push((rt.submit(req), cancel, k, round));
+            }
+        }
+        // Listen to all at once, so that cancellations land while requests run.
+        let tasks: Vec<_> = handles
+            .into_iter()
+            .map(|(h, cancel, k, round)| (actix::spawn(collect(h, cancel)), cancel, k, round))
+            .collect();
+        let mut out = Vec::new();
+        for (task, cancel, k, round) in tasks {
+            out.push((task.await.unwrap(), cancel, k, round));
+        }
+        (out, rt.stats().await)
+    });
+    assert!(
+        stats.iter().map(|s| s.preemptions).sum::<u64>() > 0,
+        "{stats:?}"
+    );
+    let cancelled = outcomes
+        .iter()
+        .filter(|(o, ..)| matches!(o.terminals.as_slice(), [RequestEvent::Cancelled]))
+        .count();
+    assert!(
+        cancelled > 0,
+        "no cancellation landed before its request finished"
+    );
+    for (outcome, cancel, k, round) in outcomes {
+        assert_eq!(
+            outcome.terminals.len(),
+            1,
+            "request {k} of round {round}: {:?}",
+            outcome.terminals
+        );
+        let want = routed_greedy(models, rule, &prompts()[k], max_tokens, &[]).tokens;
+        match (&outcome.terminals[0], cancel) {
+            (RequestEvent::Cancelled, Some(n)) => {
+                assert!(outcome.tokens.len() >= n);
+                assert_eq!(outcome.tokens, want[..outcome.tokens.len()]);
+            }
+            (RequestEvent::Finished(s), None) if round == 2 && s.stop.is_some() => {
+                assert!(!outcome.text.contains('e'));
+                assert_eq!(outcome.tokens, want[..outcome.tokens.len()]);
+            }
+            // A cancellation may arrive after the last token.
+            (RequestEvent::Finished(s), _) => {
+                assert_eq!(s.completion_tokens, max_tokens);
+                assert_eq!(
+                    outcome.tokens, want,
+                    "preemption changed the output of request {k}"
+                );
+            }
+            (other, _) => panic!("request {k} of round {round} ended with {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn bad_requests_fail_with_the_field_named_and_leave_nothing_behind() {
+    let pair = tiny_pair();
+    let config = config(pair.dir.path(), "[memory]\nkv_budget_mb = 1\n");
+    with_runtime(&config, &pair, async |rt| {
+        let cases = [
+            (greedy(&[], 4), "prompt"),
+            (greedy(&[1; 4000], 4), "prompt"),
+            (greedy(&[1, 2], 100_000), "max_tokens"),
+            (greedy(&[1, 2], 0), "max_tokens"),
+            (greedy(&[1, 999_999], 4), "input_ids"),
+            (
+                GenerateRequest::new(
+                    Prompt::Tokens(vec![1]),
+                    SamplingParams {
+                        top_p: 2.0,
+                        ..SamplingParams::default()
+                    },
+                    4,
+                ),
+                "top_p",
+            ),
+        ];
+        for (req, field) in cases {
+            let out = collect(rt.submit(req), None).await;
+            match out.terminals.as_slice() {
+                [RequestEvent::Failed(e)] => {
+                    assert!(e.message.contains(field), "{e:?} should name {field}")
+                }
+                other => panic!("expected one failure naming {field}, got {other:?}"),
+            }
+        }
+        let ok = collect(rt.submit(greedy(&[1, 2, 3], 4)), None).await;
+        assert_eq!(
+            ok.tokens.len(),
+            4,
+            "the runtime still serves after bad requests"
+        );
+    });
+}
