@@ -2,14 +2,17 @@
 //!
 //! Layers, from the bottom up (dependencies point downward only):
 //! * [`kernels`]: hot loops on plain slices (paged attention, rotary embedding, quantized
-//!   matmul) and the thread pool they share.
+//!   matmul, routing features) and the thread pool they share.
 //! * [`model`]: weight loading, the decoder, the paged KV cache, tokenizer, chat template and
 //!   sampler. Knows nothing of actors or HTTP.
+//! * [`scheduler`]: batch planning, KV block accounting, preemption, delayed batching and the
+//!   lock-step barrier; pure logic over numbers.
+//! * [`routing`]: the request-centric route / send / receive interface and the algorithms.
+//! * [`actors`]: one model actor per model, one request actor per request, their messages, and
+//!   the runtime that wires them from the config.
 //!
-//! [`config`] reads `config.toml`.
-//!
-//! See `ARCHITECTURE.md` in the shared design folder for the layers still to come (scheduler,
-//! routing, actors, server, tuning, gateway).
+//! [`config`] reads `config.toml`. See `ARCHITECTURE.md` in the shared design folder for the
+//! layers still to come (server, tuning, gateway).
 
 pub mod actors;
 pub mod config;

@@ -1,7 +1,8 @@
-//! Command-line interface: `generate` and `bench-model`. Every flag can also be set through
+//! Command-line interface: `generate`, `bench-model` and `bench-runtime`. Every flag can also be set through
 //! the environment (`TOKENROUTER_<FLAG>`).
 
 mod bench_model;
+mod bench_runtime;
 mod generate;
 
 use std::path::PathBuf;
@@ -22,16 +23,20 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate text from one model, streaming it to stdout.
+    /// Generate text, streaming it to stdout: token-routed across the models of --config, or
+    /// from one model with --model.
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode throughput per batch size against the memory roofline.
     BenchModel(bench_model::BenchArgs),
+    /// Token-routed serving throughput of the configured models in every scheduling mode.
+    BenchRuntime(bench_runtime::BenchRuntimeArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::BenchModel(args) => bench_model::run(args),
+        Command::BenchRuntime(args) => bench_runtime::run(args),
     }
 }
 
@@ -40,8 +45,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 struct ModelArg {
     /// GGUF file, Hugging Face model directory, or the name of a model in the config file.
     #[arg(long, env = "TOKENROUTER_MODEL")]
-    model: String,
-    /// Config file consulted when --model is a name.
+    model: Option<String>,
+    /// Config file: the models and routing (and the file consulted when --model is a name).
     #[arg(long, env = "TOKENROUTER_CONFIG", default_value = "config.toml")]
     config: PathBuf,
     /// `cpu`, or `cuda:N` in a build with the `cuda` feature.
@@ -67,18 +72,21 @@ fn parse_device(spec: &str) -> anyhow::Result<candle_core::Device> {
 
 impl ModelArg {
     fn path(&self) -> anyhow::Result<PathBuf> {
-        let as_path = PathBuf::from(&self.model);
-        if as_path.exists() || self.model.contains('/') || self.model.ends_with(".gguf") {
+        let Some(model) = &self.model else {
+            anyhow::bail!("--model is required: a model file, directory, or a name from the config")
+        };
+        let as_path = PathBuf::from(model);
+        if as_path.exists() || model.contains('/') || model.ends_with(".gguf") {
             return Ok(as_path);
         }
         let config = tokenrouter::config::Config::load(&self.config)?;
-        match config.model(&self.model) {
+        match config.model(model) {
             Some(entry) => Ok(entry.path.clone()),
             None => {
                 let names: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
                 anyhow::bail!(
                     "--model '{}' is neither a file nor a model named in {} (names: {})",
-                    self.model,
+                    model,
                     self.config.display(),
                     names.join(", ")
                 )

@@ -129,10 +129,7 @@ impl Runtime {
 
     /// Starts a request actor for `request` on the current arbiter.
     pub fn submit(&self, request: GenerateRequest) -> RequestHandle {
-        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, events) = unbounded_channel();
-        let actor = RequestActor::new(self.shared.clone(), id, request, tx).start();
-        RequestHandle { id, events, actor }
+        self.shared.submit(request)
     }
 
     /// Every model's counters, in model order.
@@ -150,6 +147,16 @@ impl Runtime {
             arbiter.stop();
             let _ = arbiter.join();
         }
+    }
+}
+
+impl RuntimeShared {
+    /// Starts a request actor for `request` on the current arbiter.
+    pub fn submit(self: &Arc<Self>, request: GenerateRequest) -> RequestHandle {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, events) = unbounded_channel();
+        let actor = RequestActor::new(self.clone(), id, request, tx).start();
+        RequestHandle { id, events, actor }
     }
 }
 

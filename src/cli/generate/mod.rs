@@ -1,10 +1,14 @@
-//! `tokenrouter generate`: one prompt, one model, text streamed to stdout, throughput to stderr.
+//! `tokenrouter generate`: one prompt, text streamed to stdout, throughput to stderr. With
+//! `--model` one model runs alone; without it the prompt is token-routed through the actors of
+//! every model in `--config`, and `--show-routing` colours each token by the model that made it.
 
 use std::io::Write;
 
 use clap::Args;
 use tokenrouter::model::runner::{generate, GenerationRequest};
-use tokenrouter::model::{ChatMessage, IncrementalDecoder, KvCache, SamplingParams};
+use tokenrouter::model::{ChatMessage, IncrementalDecoder, KvCache, LoadedModel, SamplingParams};
+
+mod routed;
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -33,33 +37,58 @@ pub struct GenerateArgs {
     repetition_penalty: f32,
     #[arg(long)]
     seed: Option<u64>,
-    /// Tokens per KV-cache block.
+    /// Colour each token by the model that produced it (routed generation).
+    #[arg(long)]
+    show_routing: bool,
+    /// Tokens per KV-cache block (single-model generation).
     #[arg(long, default_value_t = 16, env = "TOKENROUTER_BLOCK_SIZE")]
     block_size: usize,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty,
-        seed: args.seed,
-        ..SamplingParams::default()
-    };
+    let params = args.sampling_params();
     params.validate()?;
+    if args.model.model.is_none() {
+        return routed::run(&args, params);
+    }
     let lm = args.model.load()?;
     let prompt = if args.chat {
-        let mut messages = Vec::new();
-        if let Some(system) = &args.system {
-            messages.push(ChatMessage::new("system", system));
-        }
-        messages.push(ChatMessage::new("user", &args.prompt));
-        lm.encode_chat(&messages)?
+        lm.encode_chat(&args.messages())?
     } else {
         lm.encode(&args.prompt)?
     };
+    run_single(&args, &lm, prompt, params)
+}
+
+impl GenerateArgs {
+    fn sampling_params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            ..SamplingParams::default()
+        }
+    }
+
+    fn messages(&self) -> Vec<ChatMessage> {
+        let mut messages = Vec::new();
+        if let Some(system) = &self.system {
+            messages.push(ChatMessage::new("system", system));
+        }
+        messages.push(ChatMessage::new("user", &self.prompt));
+        messages
+    }
+}
+
+fn run_single(
+    args: &GenerateArgs,
+    lm: &LoadedModel,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+) -> anyhow::Result<()> {
     let config = lm.model.config();
     let tokens = (prompt.len() + args.max_tokens).min(config.context_length);
     let mut kv = KvCache::with_capacity(config, args.block_size, tokens)?;
