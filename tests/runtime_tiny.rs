@@ -1,6 +1,6 @@
 //! The actor runtime on two tiny random models that share a tokenizer: token-routed greedy
 //! output equals the full-recompute oracle in every scheduling mode, and no workload (cancelled,
-//! stopped, preempted requests) leaks a KV block or a terminal event.
+//! stopped, preempted, prefix-cached requests) leaks a KV block or a terminal event.
 
 mod common;
 

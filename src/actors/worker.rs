@@ -44,7 +44,11 @@ pub struct WorkerSetup {
 pub struct WorkerStats {
     pub name: String,
     pub total_blocks: usize,
+    /// Free blocks, cached-but-unused ones included.
     pub free_blocks: usize,
+    pub cached_blocks: usize,
+    /// Tokens whose K/V came from the prefix cache instead of being computed.
+    pub prefix_hit_tokens: u64,
     /// Requests with state here, running or pending.
     pub requests: usize,
     pub pending: usize,
@@ -155,14 +159,10 @@ impl ModelWorker {
             cached,
             total: handoff.tokens.len(),
         };
-        let recompute =
-            self.router.receive(&arrival) == Resume::Recompute || handoff.tokens.len() < cached;
-        if recompute {
-            self.kv.release(&mut local.table);
-        }
+        let recompute = self.router.receive(&arrival) == Resume::Recompute;
         local.tokens = handoff.tokens;
         local.tokens_here = 0;
-        self.sched.resume(id, local.tokens.len(), recompute, now);
+        self.sched.resume(id, &local.tokens, recompute, now);
     }
 
     fn admit(&mut self, meta: Arc<RequestMeta>, tokens: Vec<u32>, now: Instant) {
@@ -186,7 +186,7 @@ impl ModelWorker {
             });
             return self.end(meta.id, true);
         }
-        self.sched.add(meta.id, tokens.len(), now);
+        self.sched.add(meta.id, &tokens, now);
         let local = Local {
             meta,
             tokens,
@@ -204,8 +204,7 @@ impl ModelWorker {
 
     /// Drops every trace of `id` here, telling the peers too when `tell_peers`.
     fn end(&mut self, id: RequestId, tell_peers: bool) {
-        if let Some(mut local) = self.requests.remove(&id) {
-            self.kv.release(&mut local.table);
+        if let Some(local) = self.requests.remove(&id) {
             self.sched.finish(id);
             if local.meta.home == self.index {
                 self.count_active(-1);
@@ -286,7 +285,9 @@ impl ModelWorker {
     pub fn stats(&self) -> WorkerStats {
         let s = self.sched.stats();
         WorkerStats {
-            free_blocks: self.kv.num_free_blocks(),
+            free_blocks: s.free_blocks,
+            cached_blocks: s.cached_blocks,
+            prefix_hit_tokens: s.prefix_hit_tokens,
             requests: self.requests.len(),
             pending: s.away,
             preemptions: s.preemptions,

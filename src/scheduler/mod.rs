@@ -7,18 +7,25 @@
 //! preempted), and the caller reports back with [`Scheduler::advance`] and, per sampled request,
 //! [`Scheduler::commit`], [`Scheduler::leave`] or [`Scheduler::finish`].
 //!
-//! Guarantees: the blocks the plan accounts for never exceed the pool, so the caller's KV
-//! reservations cannot fail; a request away at a peer ("pending") keeps its blocks until memory
-//! runs short, then it is preempted first; when blocks run out the newest requests are preempted
-//! (their blocks freed, their prefix recomputed later), never the one being planned for an older
-//! request. A request that fits the pool on its own always makes progress.
+//! The scheduler owns the model's KV block ids ([`BlockPool`], with prefix caching): a request
+//! starting from nothing (new, preempted or recomputing) first takes the longest cached prefix
+//! of its tokens and computes only the rest; [`Scheduler::blocks`] gives the caller the ids to
+//! read and write.
+//!
+//! Guarantees: a plan never needs more blocks than the pool holds; a request away at a peer
+//! ("pending") keeps its blocks until memory runs short, then it is preempted first; when blocks
+//! run out the newest requests are preempted (their blocks released, their prefix recomputed
+//! later, cheaply when still cached), never the one being planned for an older request. A
+//! request that fits the pool on its own always makes progress.
 
+mod block_pool;
 mod launch;
 mod lockstep;
 
 use std::collections::HashMap;
 use std::time::Instant;
 
+pub use block_pool::{chain_hash, BlockPool, PrefixHash};
 pub use launch::{DelayedBatching, Launch, LaunchPolicy};
 pub use lockstep::LockStep;
 
@@ -56,7 +63,11 @@ struct Entry {
     len: usize,
     /// Tokens whose K/V are in the cache.
     computed: usize,
-    blocks: usize,
+    blocks: Vec<u32>,
+    /// Prefix hash of every full block of the known tokens.
+    hashes: Vec<PrefixHash>,
+    /// Leading blocks already offered to the prefix index.
+    registered: usize,
     away: bool,
     ready_since: Instant,
     /// Admission order: lower is older and goes first.
@@ -67,32 +78,49 @@ impl Entry {
     fn ready(&self) -> bool {
         !self.away && self.computed < self.len
     }
+
+    /// Takes the sequence's tokens as they are now (they only ever grow).
+    fn set_tokens(&mut self, tokens: &[u32], block_size: usize) {
+        self.len = tokens.len();
+        while self.hashes.len() < tokens.len() / block_size {
+            let i = self.hashes.len();
+            let block = &tokens[i * block_size..(i + 1) * block_size];
+            self.hashes
+                .push(chain_hash(self.hashes.last().copied(), block));
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
     pub ready: usize,
     pub away: usize,
+    /// Free plus cached-but-unused blocks.
     pub free_blocks: usize,
+    pub cached_blocks: usize,
     pub preemptions: u64,
+    /// Prompt and recompute tokens served from the prefix cache instead of computed.
+    pub prefix_hit_tokens: u64,
 }
 
 pub struct Scheduler {
     limits: SchedulerLimits,
-    free_blocks: usize,
+    pool: BlockPool,
     entries: HashMap<RequestId, Entry>,
     next_arrival: u64,
     preemptions: u64,
+    prefix_hit_tokens: u64,
 }
 
 impl Scheduler {
     pub fn new(limits: SchedulerLimits) -> Self {
         Self {
-            free_blocks: limits.num_blocks,
+            pool: BlockPool::new(limits.num_blocks),
             limits,
             entries: HashMap::new(),
             next_arrival: 0,
             preemptions: 0,
+            prefix_hit_tokens: 0,
         }
     }
 
@@ -105,37 +133,56 @@ impl Scheduler {
         self.entries.contains_key(&id)
     }
 
-    /// A request seen here for the first time, with `len` known tokens, none computed.
-    pub fn add(&mut self, id: RequestId, len: usize, now: Instant) {
+    /// A request seen here for the first time, with its known tokens, none computed.
+    pub fn add(&mut self, id: RequestId, tokens: &[u32], now: Instant) {
         let arrival = self.next_arrival;
         self.next_arrival += 1;
-        let entry = Entry {
-            len,
+        let mut entry = Entry {
+            len: 0,
             computed: 0,
-            blocks: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            registered: 0,
             away: false,
             ready_since: now,
             arrival,
         };
+        entry.set_tokens(tokens, self.limits.block_size);
         if let Some(old) = self.entries.insert(id, entry) {
-            self.free_blocks += old.blocks;
+            self.release_blocks(old.blocks);
         }
     }
 
-    /// A pending request comes back with `len` tokens; with `recompute` its cached prefix is
-    /// dropped and prefilled again.
-    pub fn resume(&mut self, id: RequestId, len: usize, recompute: bool, now: Instant) {
+    /// A pending request comes back with its tokens now; with `recompute` its cached prefix
+    /// is dropped and computed again.
+    pub fn resume(&mut self, id: RequestId, tokens: &[u32], recompute: bool, now: Instant) {
         let Some(e) = self.entries.get_mut(&id) else {
-            return self.add(id, len, now);
+            return self.add(id, tokens, now);
         };
-        if recompute || len < e.computed {
-            self.free_blocks += e.blocks;
-            e.blocks = 0;
+        let blocks = if recompute || tokens.len() < e.computed {
             e.computed = 0;
-        }
-        e.len = len;
+            e.registered = 0;
+            std::mem::take(&mut e.blocks)
+        } else {
+            Vec::new()
+        };
+        e.set_tokens(tokens, self.limits.block_size);
         e.away = false;
         e.ready_since = now;
+        self.release_blocks(blocks);
+    }
+
+    /// Releases a sequence's blocks last first, so that eviction takes the tail of a cached
+    /// prefix before its head (a head without its tail is still useful; the reverse is not).
+    fn release_blocks(&mut self, blocks: Vec<u32>) {
+        for b in blocks.into_iter().rev() {
+            self.pool.release(b);
+        }
+    }
+
+    /// The KV block ids holding `id`'s positions, in order.
+    pub fn blocks(&self, id: RequestId) -> &[u32] {
+        self.entries.get(&id).map_or(&[], |e| &e.blocks)
     }
 
     /// Tokens already computed for `id` here (0 when unknown).
@@ -159,6 +206,7 @@ impl Scheduler {
             if budget == 0 || plan.items.len() == self.limits.max_batch_requests {
                 break;
             }
+            self.reuse_cached_prefix(id);
             let e = &self.entries[&id];
             if !e.ready() {
                 continue;
@@ -168,9 +216,11 @@ impl Scheduler {
                 continue;
             };
             let e = self.entries.get_mut(&id).expect("candidate exists");
-            let blocks = (e.computed + n).div_ceil(self.limits.block_size);
-            self.free_blocks -= blocks - e.blocks;
-            e.blocks = blocks;
+            let needed = (e.computed + n).div_ceil(self.limits.block_size);
+            while e.blocks.len() < needed {
+                e.blocks
+                    .push(self.pool.allocate().expect("fit() checked availability"));
+            }
             budget -= n;
             plan.items.push(PlanItem {
                 id,
@@ -182,13 +232,27 @@ impl Scheduler {
         plan
     }
 
+    /// A request starting from nothing takes the longest cached prefix of its tokens, leaving
+    /// at least one token to compute (whose logits it needs).
+    fn reuse_cached_prefix(&mut self, id: RequestId) {
+        let e = self.entries.get_mut(&id).expect("candidate exists");
+        if e.computed > 0 || !e.blocks.is_empty() || e.len == 0 {
+            return;
+        }
+        let usable = ((e.len - 1) / self.limits.block_size).min(e.hashes.len());
+        e.blocks = self.pool.lookup(&e.hashes[..usable]);
+        e.registered = e.blocks.len();
+        e.computed = e.blocks.len() * self.limits.block_size;
+        self.prefix_hit_tokens += e.computed as u64;
+    }
+
     /// How many of `want` tokens `id` can compute, preempting lower-priority requests for
     /// blocks as needed; `None` when not even one fits.
     fn fit(&mut self, id: RequestId, want: usize, plan: &mut Plan) -> Option<usize> {
         let bs = self.limits.block_size;
         loop {
             let e = &self.entries[&id];
-            let held = e.blocks + self.free_blocks;
+            let held = e.blocks.len() + self.pool.available();
             if (e.computed + want).div_ceil(bs) <= held {
                 return Some(want);
             }
@@ -210,7 +274,7 @@ impl Scheduler {
         let planned = |v: &RequestId| plan.items.iter().any(|it| it.id == *v);
         self.entries
             .iter()
-            .filter(|(v, e)| **v != id && e.blocks > 0 && !planned(v))
+            .filter(|(v, e)| **v != id && !e.blocks.is_empty() && !planned(v))
             .filter(|(_, e)| e.away || e.arrival > arrival)
             .max_by_key(|(_, e)| (e.away, e.arrival))
             .map(|(&v, _)| v)
@@ -218,43 +282,54 @@ impl Scheduler {
 
     fn preempt(&mut self, id: RequestId, plan: &mut Plan) {
         let e = self.entries.get_mut(&id).expect("victim exists");
-        self.free_blocks += e.blocks;
-        e.blocks = 0;
+        let blocks = std::mem::take(&mut e.blocks);
         e.computed = 0;
+        e.registered = 0;
+        self.release_blocks(blocks);
         self.preemptions += 1;
         plan.preempted.push(id);
     }
 
-    /// The plan ran: every item's tokens are now in the cache.
+    /// The plan ran: every item's tokens are now in the cache, and its newly full blocks join
+    /// the prefix index.
     pub fn advance(&mut self, plan: &Plan) {
+        let bs = self.limits.block_size;
         for item in &plan.items {
-            if let Some(e) = self.entries.get_mut(&item.id) {
-                e.computed = item.start + item.num_tokens;
+            let Some(e) = self.entries.get_mut(&item.id) else {
+                continue;
+            };
+            e.computed = item.start + item.num_tokens;
+            let full = (e.computed / bs).min(e.hashes.len());
+            for i in e.registered..full {
+                self.pool.register(e.blocks[i], e.hashes[i]);
             }
+            e.registered = e.registered.max(full);
         }
     }
 
-    /// `id` committed its sampled token here and stays: ready for the next decode.
-    pub fn commit(&mut self, id: RequestId, now: Instant) {
+    /// `id` committed its sampled token here (`tokens` includes it) and stays: ready for the
+    /// next decode.
+    pub fn commit(&mut self, id: RequestId, tokens: &[u32], now: Instant) {
         if let Some(e) = self.entries.get_mut(&id) {
-            e.len += 1;
+            e.set_tokens(tokens, self.limits.block_size);
             e.ready_since = now;
         }
     }
 
-    /// `id` moves to a peer and stays pending here with its blocks; `kept_token` says whether
-    /// the sampled token was committed here first.
-    pub fn leave(&mut self, id: RequestId, kept_token: bool) {
+    /// `id` moves to a peer and stays pending here with its blocks; `tokens` includes the
+    /// sampled token if it was committed here first.
+    pub fn leave(&mut self, id: RequestId, tokens: &[u32]) {
         if let Some(e) = self.entries.get_mut(&id) {
-            e.len += kept_token as usize;
+            e.set_tokens(tokens, self.limits.block_size);
             e.away = true;
         }
     }
 
-    /// `id` is done here (finished, aborted or failed): its blocks return to the pool.
+    /// `id` is done here (finished, aborted or failed): its blocks go back to the pool, the
+    /// full ones staying cached for later prefixes.
     pub fn finish(&mut self, id: RequestId) {
         if let Some(e) = self.entries.remove(&id) {
-            self.free_blocks += e.blocks;
+            self.release_blocks(e.blocks);
         }
     }
 
@@ -274,8 +349,10 @@ impl Scheduler {
         SchedulerStats {
             ready: self.entries.values().filter(|e| e.ready()).count(),
             away: self.entries.values().filter(|e| e.away).count(),
-            free_blocks: self.free_blocks,
+            free_blocks: self.pool.available(),
+            cached_blocks: self.pool.cached(),
             preemptions: self.preemptions,
+            prefix_hit_tokens: self.prefix_hit_tokens,
         }
     }
 

@@ -1,3 +1,5 @@
+use std::collections::HashMap;
+
 use super::*;
 
 fn limits(num_blocks: usize) -> SchedulerLimits {
@@ -9,104 +11,129 @@ fn limits(num_blocks: usize) -> SchedulerLimits {
     }
 }
 
-/// Runs a plan as the model actor would: compute, then commit every sampled request.
-fn run(s: &mut Scheduler, now: Instant) -> Plan {
-    let plan = s.schedule();
-    s.advance(&plan);
-    for item in plan.items.iter().filter(|i| i.samples) {
-        s.commit(item.id, now);
+/// A scheduler plus the token sequences a model actor would hold.
+struct Sim {
+    s: Scheduler,
+    tokens: HashMap<RequestId, Vec<u32>>,
+    now: Instant,
+}
+
+impl Sim {
+    fn new(limits: SchedulerLimits) -> Self {
+        Self {
+            s: Scheduler::new(limits),
+            tokens: HashMap::new(),
+            now: Instant::now(),
+        }
     }
-    plan
+
+    /// A request with `n` tokens unique to it.
+    fn add(&mut self, id: RequestId, n: usize) {
+        self.add_tokens(id, (0..n as u32).map(|i| id as u32 * 1000 + i).collect());
+    }
+
+    fn add_tokens(&mut self, id: RequestId, tokens: Vec<u32>) {
+        self.s.add(id, &tokens, self.now);
+        self.tokens.insert(id, tokens);
+    }
+
+    /// Computes a plan and commits a token for every sampled request.
+    fn run(&mut self) -> Plan {
+        let plan = self.s.schedule();
+        self.s.advance(&plan);
+        for item in plan.items.iter().filter(|i| i.samples) {
+            self.push(item.id);
+            self.s.commit(item.id, &self.tokens[&item.id], self.now);
+        }
+        plan
+    }
+
+    fn push(&mut self, id: RequestId) {
+        let t = self.tokens.get_mut(&id).unwrap();
+        t.push(id as u32 * 1000 + t.len() as u32);
+    }
+
+    fn leave(&mut self, id: RequestId, keep: bool) {
+        if keep {
+            self.push(id);
+        }
+        self.s.leave(id, &self.tokens[&id]);
+    }
+
+    /// Comes back after the peer produced `extra` tokens.
+    fn resume(&mut self, id: RequestId, extra: usize, recompute: bool) {
+        for _ in 0..extra {
+            self.push(id);
+        }
+        self.s.resume(id, &self.tokens[&id], recompute, self.now);
+    }
+}
+
+fn item(id: RequestId, start: usize, num_tokens: usize, samples: bool) -> PlanItem {
+    PlanItem {
+        id,
+        start,
+        num_tokens,
+        samples,
+    }
 }
 
 #[test]
 fn decodes_go_first_and_prefill_is_chunked_by_the_token_budget() {
-    let now = Instant::now();
-    let mut s = Scheduler::new(limits(64));
-    s.add(1, 5, now);
-    run(&mut s, now);
-    s.add(2, 40, now);
-    let plan = s.schedule();
-    assert_eq!(
-        plan.items[0],
-        PlanItem {
-            id: 1,
-            start: 5,
-            num_tokens: 1,
-            samples: true
-        }
-    );
-    assert_eq!(
-        plan.items[1],
-        PlanItem {
-            id: 2,
-            start: 0,
-            num_tokens: 15,
-            samples: false
-        }
-    );
-    s.advance(&plan);
-    s.commit(1, now);
-    let plan = s.schedule();
-    assert_eq!(plan.items[1].start, 15);
-    assert_eq!(plan.items.iter().map(|i| i.num_tokens).sum::<usize>(), 16);
+    let mut sim = Sim::new(limits(64));
+    sim.add(1, 5);
+    sim.run();
+    sim.add(2, 40);
+    let plan = sim.run();
+    assert_eq!(plan.items, [item(1, 5, 1, true), item(2, 0, 15, false)]);
+    let plan = sim.run();
+    assert_eq!(plan.items, [item(1, 6, 1, true), item(2, 15, 15, false)]);
 }
 
 #[test]
 fn pending_request_keeps_its_blocks_and_extends_only_the_new_tokens() {
-    let now = Instant::now();
-    let mut s = Scheduler::new(limits(16));
-    s.add(7, 6, now);
-    let plan = s.schedule();
-    s.advance(&plan);
-    s.leave(7, false);
-    assert_eq!(s.stats().free_blocks, 14);
+    let mut sim = Sim::new(limits(16));
+    sim.add(7, 6);
+    let plan = sim.s.schedule();
+    sim.s.advance(&plan);
+    sim.leave(7, false);
+    assert_eq!(sim.s.stats().free_blocks, 14);
     assert!(
-        s.schedule().items.is_empty(),
+        sim.s.schedule().items.is_empty(),
         "a pending request is not scheduled"
     );
-    s.resume(7, 9, false, now);
-    let plan = s.schedule();
-    assert_eq!(
-        plan.items,
-        [PlanItem {
-            id: 7,
-            start: 6,
-            num_tokens: 3,
-            samples: true
-        }]
-    );
-    assert_eq!(s.stats().free_blocks, 13);
+    sim.resume(7, 3, false);
+    assert_eq!(sim.s.schedule().items, [item(7, 6, 3, true)]);
+    assert_eq!(sim.s.stats().free_blocks, 13);
 }
 
 #[test]
 fn kept_token_is_counted_and_recompute_drops_the_prefix() {
-    let now = Instant::now();
-    let mut s = Scheduler::new(limits(16));
-    s.add(1, 4, now);
-    run(&mut s, now);
-    s.leave(1, true);
-    s.resume(1, 8, true, now);
-    assert_eq!(s.computed(1), 0);
-    assert_eq!(s.schedule().items[0].num_tokens, 8);
+    let mut sim = Sim::new(limits(16));
+    sim.add(1, 5);
+    sim.run();
+    sim.leave(1, true);
+    sim.resume(1, 2, true);
+    assert_eq!(sim.s.computed(1), 0);
+    // The first block is still cached: only the rest is computed again.
+    assert_eq!(sim.s.schedule().items, [item(1, 4, 5, true)]);
 }
 
 #[test]
 fn pending_requests_are_preempted_before_ready_ones() {
-    let now = Instant::now();
-    let mut s = Scheduler::new(limits(4));
-    s.add(1, 8, now); // 2 blocks
-    s.add(2, 4, now); // 1 block
-    run(&mut s, now);
-    s.leave(2, false);
-    s.add(3, 8, now);
-    let plan = s.schedule();
+    let mut sim = Sim::new(limits(4));
+    sim.add(1, 8); // 2 blocks, then a third for its next token
+    sim.add(2, 3); // 1 block
+    sim.run();
+    sim.leave(2, false);
+    sim.add(3, 3);
+    let plan = sim.s.schedule();
     assert_eq!(plan.preempted, [2]);
-    assert!(plan.items.iter().any(|i| i.id == 3 && i.start == 0));
-    s.advance(&plan);
-    s.resume(2, 5, false, now);
+    assert_eq!(plan.items, [item(1, 8, 1, true), item(3, 0, 3, true)]);
+    sim.s.advance(&plan);
+    sim.resume(2, 2, false);
     assert_eq!(
-        s.computed(2),
+        sim.s.computed(2),
         0,
         "a preempted request recomputes its prefix"
     );
@@ -114,71 +141,75 @@ fn pending_requests_are_preempted_before_ready_ones() {
 
 #[test]
 fn newer_requests_are_preempted_for_older_ones_never_the_reverse() {
-    let now = Instant::now();
-    let mut s = Scheduler::new(limits(4));
-    s.add(1, 8, now);
-    s.add(2, 8, now);
-    run(&mut s, now); // both prefilled: 2 blocks each, 9 tokens each now
-    let plan = s.schedule(); // both decode position 8: each needs a third block
+    let mut sim = Sim::new(limits(4));
+    sim.add(1, 7);
+    sim.add(2, 7);
+    sim.run(); // both prefilled: 2 blocks each, 8 tokens each now
+    sim.run(); // both decode position 7, still in their second block
+    let plan = sim.s.schedule(); // position 8 needs a third block each
     assert_eq!(plan.preempted, [2]);
-    assert_eq!(
-        plan.items,
-        [
-            PlanItem {
-                id: 1,
-                start: 8,
-                num_tokens: 1,
-                samples: true
-            },
-            // The preempted request recomputes what fits in the block that is left.
-            PlanItem {
-                id: 2,
-                start: 0,
-                num_tokens: 4,
-                samples: false
-            },
-        ]
-    );
-    assert_eq!(s.stats().free_blocks, 0);
+    assert_eq!(plan.items, [item(1, 8, 1, true)]);
+    // The preempted request's tail block was evicted for request 1; its head is still cached
+    // and taken back, so only the tail will be recomputed once memory allows.
+    assert_eq!(sim.s.computed(2), 4);
+    assert_eq!(sim.s.stats().free_blocks, 0);
 }
 
 #[test]
 fn blocks_return_to_the_pool_whatever_the_path() {
-    let now = Instant::now();
-    let mut s = Scheduler::new(limits(8));
+    let mut sim = Sim::new(limits(8));
     for id in 0..6 {
-        s.add(id, 3 + id as usize, now);
+        sim.add(id, 3 + id as usize);
     }
     for step in 0..20 {
-        let plan = run(&mut s, now);
+        let plan = sim.run();
         if step == 3 {
-            s.leave(plan.items[0].id, true);
+            sim.leave(plan.items[0].id, true);
         }
         if step == 5 {
-            s.finish(plan.items[0].id);
+            sim.s.finish(plan.items[0].id);
         }
     }
     for id in 0..6 {
-        s.finish(id);
+        sim.s.finish(id);
     }
-    assert!(s.is_empty());
-    assert_eq!(s.stats().free_blocks, 8);
+    assert!(sim.s.is_empty());
+    assert_eq!(sim.s.stats().free_blocks, 8);
 }
 
 #[test]
 fn a_request_larger_than_free_memory_is_prefilled_in_chunks_that_fit() {
-    let now = Instant::now();
-    let mut s = Scheduler::new(SchedulerLimits {
+    let mut sim = Sim::new(SchedulerLimits {
         max_batch_tokens: 64,
         ..limits(3)
     });
-    s.add(1, 4, now);
-    run(&mut s, now);
-    s.add(2, 12, now);
-    let plan = s.schedule();
-    let item = plan.items.iter().find(|i| i.id == 2).unwrap();
-    assert_eq!((item.num_tokens, item.samples), (4, false));
+    sim.add(1, 4);
+    sim.run();
+    sim.add(2, 12);
+    let plan = sim.s.schedule();
+    assert_eq!(
+        plan.items.iter().find(|i| i.id == 2),
+        Some(&item(2, 0, 4, false))
+    );
     assert!(plan.preempted.is_empty());
+}
+
+#[test]
+fn a_shared_prompt_prefix_is_computed_once() {
+    let mut sim = Sim::new(limits(16));
+    let prompt: Vec<u32> = (0..10).collect();
+    sim.add_tokens(1, prompt.clone());
+    sim.run();
+    let mut other = prompt[..9].to_vec();
+    other.push(99);
+    sim.add_tokens(2, other);
+    sim.add_tokens(3, prompt[..8].to_vec());
+    let plan = sim.s.schedule();
+    // Two full blocks (8 tokens) are shared; an exact 8-token prompt still computes its last
+    // token, so it reuses one block.
+    assert_eq!(plan.items[1..], [item(2, 8, 2, true), item(3, 4, 4, true)]);
+    assert_eq!(sim.s.blocks(2)[..2], sim.s.blocks(1)[..2]);
+    assert_eq!(sim.s.stats().prefix_hit_tokens, 12);
 }
 
 #[test]
@@ -187,9 +218,9 @@ fn ready_counts_and_the_oldest_wait() {
     let t1 = t0 + std::time::Duration::from_millis(5);
     let mut s = Scheduler::new(limits(8));
     assert_eq!(s.ready(), (0, None));
-    s.add(1, 3, t1);
-    s.add(2, 3, t0);
+    s.add(1, &[1, 2, 3], t1);
+    s.add(2, &[4, 5, 6], t0);
     assert_eq!(s.ready(), (2, Some(t0)));
-    s.leave(2, false);
+    s.leave(2, &[4, 5, 6]);
     assert_eq!(s.ready(), (1, Some(t1)));
 }

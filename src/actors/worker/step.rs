@@ -21,7 +21,7 @@ impl ModelWorker {
         let plan = self.sched.schedule();
         for id in &plan.preempted {
             if let Some(local) = self.requests.get_mut(id) {
-                self.kv.release(&mut local.table);
+                local.table = BlockTable::default();
             }
         }
         if !plan.items.is_empty() {
@@ -39,14 +39,12 @@ impl ModelWorker {
         true
     }
 
-    /// Reserves the planned blocks and runs the batch; returns its logits, `[items, vocab]`.
-    /// A panic inside the model is caught and reported like an error.
+    /// Runs the batch over the blocks the scheduler assigned; returns its logits,
+    /// `[items, vocab]`. A panic inside the model is caught and reported like an error.
     fn forward(&mut self, plan: &Plan) -> Result<Vec<f32>, String> {
         for item in &plan.items {
             let local = self.requests.get_mut(&item.id).expect("planned request");
-            self.kv
-                .reserve(&mut local.table, item.start + item.num_tokens)
-                .map_err(|e| format!("scheduler and KV cache disagree: {e}"))?;
+            local.table = BlockTable::from_blocks(self.sched.blocks(item.id).to_vec());
         }
         let inputs: Vec<SeqInput> = plan
             .items
@@ -129,7 +127,7 @@ impl ModelWorker {
             Route::Move(to) if to != self.index && to < self.unsent.len() => to,
             _ => {
                 if self.commit(id, view.token) {
-                    self.sched.commit(id, now);
+                    self.sched.commit(id, &self.requests[&id].tokens, now);
                 }
                 return;
             }
@@ -138,8 +136,8 @@ impl ModelWorker {
         if plan.keep_token && !self.commit(id, view.token) {
             return;
         }
-        self.sched.leave(id, plan.keep_token);
         let local = &self.requests[&id];
+        self.sched.leave(id, &local.tokens);
         let handoff = Handoff {
             meta: local.meta.clone(),
             tokens: local.tokens.clone(),

@@ -1,0 +1,183 @@
+//! KV block ids for one model, with prefix caching: every full block whose K/V are computed is
+//! indexed by the hash of the whole token prefix it ends (the hash of its parent block chained
+//! with its own tokens), so the index is a radix tree over token blocks flattened into one map.
+//! A request whose leading blocks are already in the index shares them instead of computing
+//! them again.
+//!
+//! Guarantees: allocation and release are O(1) (amortised); a block is writable by at most one
+//! request (shared blocks are full and never written again); a cached block nobody uses stays
+//! reusable until memory is needed, then the least recently released one is evicted first;
+//! `available()` counts free and evictable blocks, so a pool with no users is entirely
+//! available.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+/// Hash of a token prefix that ends at a block boundary.
+pub type PrefixHash = u64;
+
+/// Chains `parent` (the hash of everything before) with one block's tokens.
+pub fn chain_hash(parent: Option<PrefixHash>, tokens: &[u32]) -> PrefixHash {
+    let mut h = DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+#[derive(Debug, Clone, Default)]
+struct BlockState {
+    refs: u32,
+    /// Set once the block is full, computed and indexed.
+    hash: Option<PrefixHash>,
+    /// Position in the eviction order while unreferenced and cached.
+    lru_tick: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    blocks: Vec<BlockState>,
+    free: Vec<u32>,
+    index: HashMap<PrefixHash, u32>,
+    /// Unreferenced cached blocks by release time (oldest first).
+    evictable: BTreeMap<u64, u32>,
+    tick: u64,
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: usize) -> Self {
+        Self {
+            blocks: vec![BlockState::default(); num_blocks],
+            free: (0..num_blocks as u32).rev().collect(),
+            index: HashMap::new(),
+            evictable: BTreeMap::new(),
+            tick: 0,
+        }
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Blocks an allocation may take: free ones and cached ones nobody uses.
+    pub fn available(&self) -> usize {
+        self.free.len() + self.evictable.len()
+    }
+
+    /// Cached blocks (in use or not).
+    pub fn cached(&self) -> usize {
+        self.index.len()
+    }
+
+    /// A block for exclusive use; evicts the least recently released cached block when no
+    /// free one is left.
+    pub fn allocate(&mut self) -> Option<u32> {
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => {
+                let (_, id) = self.evictable.pop_first()?;
+                let state = &mut self.blocks[id as usize];
+                if let Some(hash) = state.hash.take() {
+                    self.index.remove(&hash);
+                }
+                state.lru_tick = None;
+                id
+            }
+        };
+        self.blocks[id as usize].refs = 1;
+        Some(id)
+    }
+
+    /// Drops one reference; an unreferenced block becomes free, or evictable if cached.
+    pub fn release(&mut self, id: u32) {
+        let state = &mut self.blocks[id as usize];
+        debug_assert!(state.refs > 0, "block {id} released twice");
+        state.refs -= 1;
+        if state.refs > 0 {
+            return;
+        }
+        if state.hash.is_some() {
+            self.tick += 1;
+            state.lru_tick = Some(self.tick);
+            self.evictable.insert(self.tick, id);
+        } else {
+            self.free.push(id);
+        }
+    }
+
+    /// Indexes a full, computed block under the hash of the prefix it ends. A prefix already
+    /// indexed keeps its first block.
+    pub fn register(&mut self, id: u32, hash: PrefixHash) {
+        if self.blocks[id as usize].hash.is_some() || self.index.contains_key(&hash) {
+            return;
+        }
+        self.index.insert(hash, id);
+        self.blocks[id as usize].hash = Some(hash);
+    }
+
+    /// The blocks of the longest indexed prefix of `hashes`, each with a new reference.
+    pub fn lookup(&mut self, hashes: &[PrefixHash]) -> Vec<u32> {
+        let mut out = Vec::new();
+        for hash in hashes {
+            let Some(&id) = self.index.get(hash) else {
+                break;
+            };
+            let state = &mut self.blocks[id as usize];
+            if let Some(tick) = state.lru_tick.take() {
+                self.evictable.remove(&tick);
+            }
+            state.refs += 1;
+            out.push(id);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn released_uncached_blocks_are_free_again() {
+        let mut pool = BlockPool::new(2);
+        let a = pool.allocate().unwrap();
+        let b = pool.allocate().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(pool.allocate(), None);
+        pool.release(a);
+        assert_eq!(pool.available(), 1);
+        assert_eq!(pool.allocate(), Some(a));
+    }
+
+    #[test]
+    fn cached_blocks_are_shared_then_evicted_oldest_first() {
+        let mut pool = BlockPool::new(3);
+        let h1 = chain_hash(None, &[1, 2]);
+        let h2 = chain_hash(Some(h1), &[3, 4]);
+        let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
+        pool.register(a, h1);
+        pool.register(b, h2);
+        assert_eq!(
+            pool.lookup(&[h1, h2, 99]),
+            [a, b],
+            "the longest indexed prefix"
+        );
+        pool.release(a);
+        pool.release(b);
+        assert_eq!(pool.available(), 1, "still referenced by the first user");
+        pool.release(b);
+        pool.release(a);
+        assert_eq!(pool.available(), 3);
+        assert_eq!(pool.cached(), 2);
+        let c = pool.allocate().unwrap();
+        assert!(c != a && c != b, "free blocks go before cached ones");
+        assert_eq!(pool.allocate(), Some(b), "b was released before a");
+        assert_eq!(pool.lookup(&[h1, h2]), [a], "b's prefix was evicted");
+    }
+
+    #[test]
+    fn the_hash_covers_the_whole_prefix() {
+        let h = chain_hash(None, &[1, 2]);
+        assert_ne!(chain_hash(Some(h), &[3]), chain_hash(None, &[3]));
+        assert_eq!(chain_hash(Some(h), &[3]), chain_hash(Some(h), &[3]));
+    }
+}
