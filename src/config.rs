@@ -32,6 +32,39 @@ pub struct Config {
     pub routing: RoutingConfig,
     #[serde(default)]
     pub scheduler: SchedulerSettings,
+    #[serde(default)]
+    pub server: ServerSettings,
+}
+
+/// `tokenrouter serve`: where to listen and how much to take on.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSettings {
+    pub host: String,
+    pub port: u16,
+    /// Requests admitted at once (running or waiting); more get 503 with `Retry-After`.
+    pub max_requests: usize,
+    /// Seconds a request may run; 0 means no limit.
+    pub request_timeout_s: u64,
+    /// When set, every route but `/health` needs `Authorization: Bearer <api_key>`.
+    pub api_key: Option<String>,
+    pub max_body_mb: usize,
+    /// HTTP worker threads (they only parse and format; models run on their own threads).
+    pub workers: usize,
+}
+
+impl Default for ServerSettings {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 30000,
+            max_requests: 256,
+            request_timeout_s: 0,
+            api_key: None,
+            max_body_mb: 8,
+            workers: 2,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -192,6 +225,13 @@ impl Config {
         if s.max_batch_tokens == 0 || s.max_batch_requests == 0 {
             return Err(
                 "scheduler.max_batch_tokens and scheduler.max_batch_requests must be at least 1"
+                    .into(),
+            );
+        }
+        let sv = &self.server;
+        if sv.max_requests == 0 || sv.workers == 0 || sv.max_body_mb == 0 {
+            return Err(
+                "server.max_requests, server.workers and server.max_body_mb must be at least 1"
                     .into(),
             );
         }

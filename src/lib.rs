@@ -11,8 +11,10 @@
 //! * [`actors`]: one model actor per model, one request actor per request, their messages, and
 //!   the runtime that wires them from the config.
 //!
+//! * [`server`]: the HTTP API (OpenAI and SGLang schemas, SSE, errors, metrics).
+//!
 //! [`config`] reads `config.toml`. See `ARCHITECTURE.md` in the shared design folder for the
-//! layers still to come (server, tuning, gateway).
+//! layers still to come (tuning, gateway).
 
 pub mod actors;
 pub mod config;
@@ -20,3 +22,4 @@ pub mod kernels;
 pub mod model;
 pub mod routing;
 pub mod scheduler;
+pub mod server;

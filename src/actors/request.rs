@@ -54,6 +54,8 @@ pub enum ErrorKind {
     InvalidRequest,
     /// The server failed (a 5xx).
     Internal,
+    /// The request ran past the server's time limit.
+    Timeout,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

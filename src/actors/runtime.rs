@@ -3,7 +3,7 @@
 //! and starts a request actor per submitted request. Must be used inside an actix system.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,6 +46,8 @@ pub struct RuntimeShared {
     pub router: Arc<dyn RoutingAlgorithm>,
     /// Longest sequence every model can hold (context length and KV share).
     pub max_context: usize,
+    /// Per model: false once a forward pass panicked.
+    pub health: Vec<Arc<AtomicBool>>,
     next_id: AtomicU64,
 }
 
@@ -56,6 +58,14 @@ pub struct Admitted {
 }
 
 impl RuntimeShared {
+    /// The first model whose actor failed, if any.
+    pub fn unhealthy_model(&self) -> Option<&str> {
+        self.health
+            .iter()
+            .position(|h| !h.load(Ordering::Acquire))
+            .map(|i| self.model_names[i].as_str())
+    }
+
     /// Tokenizes and validates, naming the field at fault.
     pub fn prepare(&self, request: &GenerateRequest) -> Result<Admitted, RequestError> {
         request

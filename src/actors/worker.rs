@@ -8,6 +8,7 @@
 //! active-request estimate, once in and once out.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,8 @@ pub struct WorkerSetup {
     pub router: Arc<dyn RoutingAlgorithm>,
     pub limits: SchedulerLimits,
     pub stepping: Stepping,
+    /// Cleared when a forward pass panics, so the server can report the model unhealthy.
+    pub healthy: Arc<AtomicBool>,
 }
 
 /// Counters a model reports (for tests, logs and metrics).
@@ -51,6 +54,9 @@ pub struct WorkerStats {
     pub prefix_hit_tokens: u64,
     /// Requests with state here, running or pending.
     pub requests: usize,
+    /// Requests with work to do here (the queue a step draws from).
+    pub ready: usize,
+    /// Requests away at a peer, keeping their blocks here.
     pub pending: usize,
     pub steps: u64,
     pub batched_requests: u64,
@@ -89,6 +95,7 @@ pub struct ModelWorker {
     last_sent: Vec<Instant>,
     outbox: Vec<(ModelIndex, PeerMessage)>,
     stats: WorkerStats,
+    healthy: Arc<AtomicBool>,
 }
 
 impl ModelWorker {
@@ -121,8 +128,13 @@ impl ModelWorker {
             unsent: vec![0; setup.num_models],
             last_sent: vec![now; setup.num_models],
             outbox: Vec::new(),
+            healthy: setup.healthy,
             model: setup.model,
         })
+    }
+
+    fn mark_unhealthy(&self) {
+        self.healthy.store(false, Ordering::Release);
     }
 
     pub fn name(&self) -> &str {
@@ -289,6 +301,7 @@ impl ModelWorker {
             cached_blocks: s.cached_blocks,
             prefix_hit_tokens: s.prefix_hit_tokens,
             requests: self.requests.len(),
+            ready: s.ready,
             pending: s.away,
             preemptions: s.preemptions,
             active_estimate: self.active,

@@ -1,9 +1,10 @@
-//! Command-line interface: `generate`, `bench-model` and `bench-runtime`. Every flag can also be set through
+//! Command-line interface: `serve`, `generate`, `bench-model` and `bench-runtime`. Every flag can also be set through
 //! the environment (`TOKENROUTER_<FLAG>`).
 
 mod bench_model;
 mod bench_runtime;
 mod generate;
+mod serve;
 
 use std::path::PathBuf;
 
@@ -23,6 +24,8 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the configured models over HTTP (OpenAI- and SGLang-compatible API).
+    Serve(serve::ServeArgs),
     /// Generate text, streaming it to stdout: token-routed across the models of --config, or
     /// from one model with --model.
     Generate(generate::GenerateArgs),
@@ -34,6 +37,7 @@ enum Command {
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Serve(args) => serve::run(args),
         Command::Generate(args) => generate::run(args),
         Command::BenchModel(args) => bench_model::run(args),
         Command::BenchRuntime(args) => bench_runtime::run(args),

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod oracle;
+pub mod server;
 
 use std::path::PathBuf;
 

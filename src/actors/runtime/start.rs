@@ -52,6 +52,10 @@ impl Runtime {
         }
         let s = &config.scheduler;
         let mut workers = Vec::new();
+        let health: Vec<_> = models
+            .iter()
+            .map(|_| Arc::new(AtomicBool::new(true)))
+            .collect();
         for (index, (entry, model)) in config.models.iter().zip(&models).enumerate() {
             let stepping = match s.mode {
                 SchedulingMode::Sync => Stepping::Sync,
@@ -76,6 +80,7 @@ impl Runtime {
                     max_batch_requests: s.max_batch_requests,
                 },
                 stepping,
+                healthy: health[index].clone(),
             };
             let worker = ModelWorker::new(setup).map_err(|source| RuntimeError::Model {
                 name: entry.name.clone(),
@@ -110,6 +115,7 @@ impl Runtime {
                 .unwrap_or(0),
             router,
             max_context,
+            health,
             next_id: AtomicU64::new(1),
         };
         Ok(Self {

@@ -69,11 +69,14 @@ impl ModelWorker {
         match run {
             Ok(Ok(logits)) => Ok(logits),
             Ok(Err(e)) => Err(format!("forward pass of model '{}' failed: {e}", self.name)),
-            Err(panic) => Err(format!(
-                "forward pass of model '{}' panicked: {}",
-                self.name,
-                panic_message(&panic)
-            )),
+            Err(panic) => Err({
+                self.mark_unhealthy();
+                format!(
+                    "forward pass of model '{}' panicked: {}",
+                    self.name,
+                    panic_message(&panic)
+                )
+            }),
         }
     }
 

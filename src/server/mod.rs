@@ -1,0 +1,166 @@
+//! The HTTP server: OpenAI-compatible (`/v1/chat/completions`, `/v1/completions`,
+//! `/v1/models`) and SGLang-compatible (`/generate`, `/health`, `/health_generate`,
+//! `/get_server_info`) endpoints plus Prometheus `/metrics`, in front of the actor runtime.
+//! Model actors start before the HTTP workers; handlers only parse, submit and format, so no
+//! forward pass ever runs on an HTTP worker thread. Knows nothing of tensors.
+
+mod choices;
+pub mod error;
+mod handlers;
+mod metrics;
+mod respond;
+pub mod schema;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::body::{BoxBody, EitherBody};
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::middleware::{from_fn, Next};
+use actix_web::{web, App, HttpServer};
+
+use crate::actors::runtime::{KvShare, RuntimeShared};
+use crate::actors::{load_models, Runtime};
+use crate::config::Config;
+use error::ApiError;
+pub use metrics::Metrics;
+
+/// Where and how the server listens; flags and environment override the config file.
+#[derive(Debug, Clone)]
+pub struct ServeSettings {
+    pub host: String,
+    pub port: u16,
+    pub api_key: Option<String>,
+    /// Requests admitted at once (running or queued); beyond it, 503 with `Retry-After`.
+    pub max_requests: usize,
+    pub request_timeout: Option<Duration>,
+    pub max_body_bytes: usize,
+    pub workers: usize,
+    /// How long shutdown waits for in-flight requests.
+    pub shutdown_timeout: Duration,
+}
+
+/// What every handler shares.
+pub struct AppState {
+    pub runtime: Arc<RuntimeShared>,
+    pub served_model: String,
+    pub config: Config,
+    pub kv: Vec<KvShare>,
+    pub metrics: Arc<Metrics>,
+    pub settings: ServeSettings,
+    admitted: AtomicUsize,
+    created: u64,
+}
+
+/// A place among the admitted requests; given back on drop.
+pub struct AdmissionSlot(Arc<AppState>);
+
+impl Drop for AdmissionSlot {
+    fn drop(&mut self) {
+        self.0.admitted.fetch_sub(1, Ordering::AcqRel);
+        self.0.metrics.active.dec();
+    }
+}
+
+impl AppState {
+    /// Takes a slot, or fails with 503 when the server is full.
+    pub fn admit(self: &Arc<Self>) -> Result<AdmissionSlot, ApiError> {
+        let limit = self.settings.max_requests;
+        let taken = self
+            .admitted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            });
+        match taken {
+            Ok(_) => {
+                self.metrics.active.inc();
+                Ok(AdmissionSlot(self.clone()))
+            }
+            Err(_) => {
+                self.metrics.observe_rejected();
+                Err(ApiError::overloaded(limit))
+            }
+        }
+    }
+
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m)
+                if m != self.served_model && !self.config.models.iter().any(|e| e.name == m) =>
+            {
+                Err(ApiError::model_not_found(m, &self.served_model))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Loads the models, starts the actors, then serves HTTP until SIGINT/SIGTERM.
+pub fn serve(config: Config, settings: ServeSettings) -> anyhow::Result<()> {
+    let models = load_models(&config, &candle_core::Device::Cpu)?;
+    actix_web::rt::System::new().block_on(async move {
+        let runtime = Runtime::start(&config, models)?;
+        let names = config.models.iter().map(|m| m.name.clone()).collect();
+        let state = Arc::new(AppState {
+            runtime: runtime.shared().clone(),
+            served_model: "tokenrouter".into(),
+            kv: runtime.kv_shares().to_vec(),
+            metrics: Arc::new(Metrics::new(names)?),
+            settings: settings.clone(),
+            admitted: AtomicUsize::new(0),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            config,
+        });
+        let data = web::Data::from(state);
+        let server = HttpServer::new(move || {
+            App::new()
+                .app_data(data.clone())
+                .wrap(from_fn(authorize))
+                .configure(handlers::routes)
+        })
+        .workers(settings.workers)
+        .shutdown_timeout(settings.shutdown_timeout.as_secs())
+        .bind((settings.host.as_str(), settings.port))
+        .map_err(|e| {
+            anyhow::anyhow!("cannot listen on {}:{}: {e}", settings.host, settings.port)
+        })?;
+        tracing::info!(host = %settings.host, port = settings.port, "serving");
+        eprintln!(
+            "tokenrouter serving on http://{}:{}",
+            settings.host, settings.port
+        );
+        server.run().await?;
+        runtime.stop();
+        anyhow::Ok(())
+    })
+}
+
+/// Checks `Authorization: Bearer <key>` in constant time on every route but `/health`.
+async fn authorize(
+    req: ServiceRequest,
+    next: Next<BoxBody>,
+) -> Result<ServiceResponse<EitherBody<BoxBody>>, actix_web::Error> {
+    let key = req
+        .app_data::<web::Data<AppState>>()
+        .and_then(|s| s.settings.api_key.clone());
+    if let Some(key) = key.filter(|_| req.path() != "/health") {
+        let given = req
+            .headers()
+            .get("Authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !constant_time_eq::constant_time_eq(given.as_bytes(), key.as_bytes()) {
+            let error = ApiError::new(
+                actix_web::http::StatusCode::UNAUTHORIZED,
+                "missing or wrong API key: send Authorization: Bearer <key>",
+            );
+            let response = actix_web::ResponseError::error_response(&error);
+            return Ok(req.into_response(response).map_into_right_body());
+        }
+    }
+    Ok(next.call(req).await?.map_into_left_body())
+}
