@@ -96,6 +96,8 @@ pub struct ModelWorker {
     outbox: Vec<(ModelIndex, PeerMessage)>,
     stats: WorkerStats,
     healthy: Arc<AtomicBool>,
+    /// Test hook: a forward pass over this token id panics (`TOKENROUTER_FAILPOINT_TOKEN`).
+    failpoint: Option<u32>,
 }
 
 impl ModelWorker {
@@ -129,6 +131,9 @@ impl ModelWorker {
             last_sent: vec![now; setup.num_models],
             outbox: Vec::new(),
             healthy: setup.healthy,
+            failpoint: std::env::var("TOKENROUTER_FAILPOINT_TOKEN")
+                .ok()
+                .and_then(|v| v.parse().ok()),
             model: setup.model,
         })
     }

@@ -58,9 +58,14 @@ fn free_port() -> u16 {
 impl TestServer {
     /// Starts the binary on a free port and waits until `/health` answers.
     pub fn start(extra_config: &str, args: &[&str]) -> Self {
+        Self::start_with_env(extra_config, args, &[])
+    }
+
+    pub fn start_with_env(extra_config: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let dir = tiny_pair_config(extra_config);
         let port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+            .envs(env.iter().copied())
             .arg("serve")
             .arg("--config")
             .arg(dir.path().join("config.toml"))
@@ -92,6 +97,31 @@ impl TestServer {
 
     pub fn get(&self, path: &str) -> Response {
         request(self.port, "GET", path, None, &[]).expect("the server answers")
+    }
+
+    /// Sends SIGTERM and waits (up to a minute) for the process to exit.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(started.elapsed() < Duration::from_secs(60), "no exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Resident memory of the server process, in bytes.
+    pub fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kb = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap();
+        kb * 1024
     }
 
     /// A value from `/metrics` (the first sample whose line starts with `prefix`).

@@ -60,7 +60,11 @@ impl ModelWorker {
             .collect();
         let model = &self.model.model;
         let kv = &mut self.kv;
+        let failpoint = self.failpoint;
         let run = catch_unwind(AssertUnwindSafe(|| -> crate::model::Result<Vec<f32>> {
+            if let Some(t) = failpoint.filter(|t| inputs.iter().any(|i| i.tokens.contains(t))) {
+                panic!("failpoint: token {t} reached the forward pass");
+            }
             let out = model.forward(&inputs, kv, false)?;
             Ok(out.logits.flatten_all()?.to_vec1::<f32>()?)
         }));
