@@ -301,3 +301,27 @@ fn bad_requests_fail_with_the_field_named_and_leave_nothing_behind() {
         );
     });
 }
+
+#[test]
+fn models_with_different_tokenizers_cannot_be_routed_together() {
+    let pair = tiny_pair();
+    let smol =
+        Arc::new(LoadedModel::load(&common::real_model(common::SMOLLM2), &Device::Cpu).unwrap());
+    let config = config(
+        pair.dir.path(),
+        "[routing]\nalgorithm = \"entropy\"\nthreshold = 1.0\n",
+    );
+    let err = actix::System::new().block_on(async {
+        match Runtime::start(&config, vec![pair.models[0].clone(), smol]) {
+            Ok(runtime) => {
+                runtime.stop();
+                panic!("a pair with different tokenizers was accepted")
+            }
+            Err(e) => e.to_string(),
+        }
+    });
+    assert!(
+        err.contains("different tokenizers") && err.contains("'llm'"),
+        "{err}"
+    );
+}

@@ -369,13 +369,26 @@ fn overload_gets_503_with_retry_after_and_the_api_key_guards_every_route_but_hea
 #[test]
 fn a_panic_in_a_forward_pass_fails_its_requests_with_500_and_marks_health() {
     let server = TestServer::start_with_env("", &[], &[("TOKENROUTER_FAILPOINT_TOKEN", "77")]);
-    let r = server.post("/generate", &json!({"input_ids": [1, 77, 2], "sampling_params": {"max_new_tokens": 4}}).to_string());
+    let r = server.post(
+        "/generate",
+        &json!({"input_ids": [1, 77, 2], "sampling_params": {"max_new_tokens": 4}}).to_string(),
+    );
     assert_eq!(r.status, 500, "{}", r.body);
-    assert!(r.json()["error"]["message"].as_str().unwrap().contains("panicked"), "{}", r.body);
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("panicked"),
+        "{}",
+        r.body
+    );
     let health = server.get("/health");
     assert_eq!(health.status, 503);
     assert_eq!(health.json()["model"], "slm");
-    let r = server.post("/generate", &json!({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}}).to_string());
+    let r = server.post(
+        "/generate",
+        &json!({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}}).to_string(),
+    );
     assert_eq!(r.status, 200, "other requests are still served: {}", r.body);
     assert_drained(&server);
 }
@@ -383,13 +396,26 @@ fn a_panic_in_a_forward_pass_fails_its_requests_with_500_and_marks_health() {
 #[test]
 fn sigterm_stops_the_server_cleanly_even_with_a_stream_in_flight() {
     let mut server = TestServer::start("", &["--shutdown-timeout", "2"]);
-    let body = chat("go on", json!({"stream": true, "max_tokens": 220, "ignore_eos": true}));
-    let mut stream = send(server.port, "POST", "/v1/chat/completions", Some(body.as_bytes()), &[]).unwrap();
+    let body = chat(
+        "go on",
+        json!({"stream": true, "max_tokens": 220, "ignore_eos": true}),
+    );
+    let mut stream = send(
+        server.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(body.as_bytes()),
+        &[],
+    )
+    .unwrap();
     let mut first = [0u8; 64];
     let _ = stream.read(&mut first).unwrap();
     let status = server.terminate();
     assert!(status.success(), "exit status {status}");
-    assert!(request(server.port, "GET", "/health", None, &[]).is_none(), "the port is closed");
+    assert!(
+        request(server.port, "GET", "/health", None, &[]).is_none(),
+        "the port is closed"
+    );
 }
 
 #[test]
@@ -397,7 +423,10 @@ fn a_soak_of_mixed_requests_with_cancellations_leaves_nothing_behind() {
     let server = TestServer::start("[server]\nmax_requests = 64\n", &[]);
     let port = server.port;
     for _ in 0..20 {
-        server.post("/v1/chat/completions", &chat("warm up", json!({"max_tokens": 16})));
+        server.post(
+            "/v1/chat/completions",
+            &chat("warm up", json!({"max_tokens": 16})),
+        );
     }
     let rss_before = server.rss();
     let threads: Vec<_> = (0..6u64)
@@ -436,5 +465,9 @@ fn a_soak_of_mixed_requests_with_cancellations_leaves_nothing_behind() {
     assert_drained(&server);
     assert!(server.metric("tokenrouter_requests_total{outcome=\"finished\"}") > 100.0);
     let growth = server.rss().saturating_sub(rss_before);
-    assert!(growth < 64 << 20, "resident memory grew by {} MiB", growth >> 20);
+    assert!(
+        growth < 64 << 20,
+        "resident memory grew by {} MiB",
+        growth >> 20
+    );
 }

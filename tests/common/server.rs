@@ -108,7 +108,10 @@ impl TestServer {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;
             }
-            assert!(started.elapsed() < Duration::from_secs(60), "no exit after SIGTERM");
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "no exit after SIGTERM"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
