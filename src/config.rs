@@ -44,8 +44,8 @@ pub struct ServerSettings {
     pub port: u16,
     /// Requests admitted at once (running or waiting); more get 503 with `Retry-After`.
     pub max_requests: usize,
-    /// Seconds a request may run; 0 means no limit.
-    pub request_timeout_s: u64,
+    /// Seconds (fractions allowed) a request may run; 0 means no limit.
+    pub request_timeout_s: f64,
     /// When set, every route but `/health` needs `Authorization: Bearer <api_key>`.
     pub api_key: Option<String>,
     pub max_body_mb: usize,
@@ -59,7 +59,7 @@ impl Default for ServerSettings {
             host: "127.0.0.1".into(),
             port: 30000,
             max_requests: 256,
-            request_timeout_s: 0,
+            request_timeout_s: 0.0,
             api_key: None,
             max_body_mb: 8,
             workers: 2,
@@ -229,6 +229,9 @@ impl Config {
             );
         }
         let sv = &self.server;
+        if sv.request_timeout_s.is_nan() || sv.request_timeout_s < 0.0 {
+            return Err("server.request_timeout_s must be >= 0 (0: no limit)".into());
+        }
         if sv.max_requests == 0 || sv.workers == 0 || sv.max_body_mb == 0 {
             return Err(
                 "server.max_requests, server.workers and server.max_body_mb must be at least 1"

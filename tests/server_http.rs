@@ -394,6 +394,19 @@ fn a_panic_in_a_forward_pass_fails_its_requests_with_500_and_marks_health() {
 }
 
 #[test]
+fn a_request_past_the_timeout_gets_504_and_is_cancelled() {
+    let server = TestServer::start("", &["--request-timeout", "0.02"]);
+    let body = chat("slow", json!({"max_tokens": 220, "ignore_eos": true}));
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 504, "{}", r.body);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("timeout"));
+    assert_drained(&server);
+}
+
+#[test]
 fn sigterm_stops_the_server_cleanly_even_with_a_stream_in_flight() {
     let mut server = TestServer::start("", &["--shutdown-timeout", "2"]);
     let body = chat(

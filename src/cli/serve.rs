@@ -24,9 +24,9 @@ pub struct ServeArgs {
     /// Requests admitted at once; more get 503 with Retry-After.
     #[arg(long, env = "TOKENROUTER_MAX_REQUESTS")]
     max_requests: Option<usize>,
-    /// Seconds a request may run (0: no limit).
+    /// Seconds a request may run (0: no limit); an expired request gets 504.
     #[arg(long, env = "TOKENROUTER_REQUEST_TIMEOUT")]
-    request_timeout: Option<u64>,
+    request_timeout: Option<f64>,
     /// Seconds shutdown waits for in-flight requests.
     #[arg(long, env = "TOKENROUTER_SHUTDOWN_TIMEOUT", default_value_t = 10)]
     shutdown_timeout: u64,
@@ -45,13 +45,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .or_else(|| s.api_key.clone())
             .filter(|k| !k.is_empty()),
         max_requests: args.max_requests.unwrap_or(s.max_requests),
-        request_timeout: (timeout > 0).then(|| Duration::from_secs(timeout)),
+        request_timeout: (timeout > 0.0).then(|| Duration::from_secs_f64(timeout)),
         max_body_bytes: s.max_body_mb << 20,
         workers: s.workers,
         shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
     };
     if settings.max_requests == 0 {
         anyhow::bail!("--max-requests must be at least 1");
+    }
+    if !timeout.is_finite() || timeout < 0.0 {
+        anyhow::bail!("--request-timeout must be a number of seconds >= 0");
     }
     serve(config, settings)
 }
