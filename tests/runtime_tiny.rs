@@ -12,8 +12,8 @@ use candle_core::Device;
 use common::oracle::{greedy_entropies, quantile, routed_greedy, OracleToken, Rule};
 use tokenrouter::actors::{GenerateRequest, Prompt, RequestEvent, RequestHandle, Runtime};
 use tokenrouter::config::Config;
-use tokenrouter::model::tiny::{write_gguf, TinySpec};
-use tokenrouter::model::{Architecture, LoadedModel, SamplingParams};
+use tokenrouter::model::tiny::write_gguf;
+use tokenrouter::model::{LoadedModel, SamplingParams};
 
 struct Pair {
     dir: tempfile::TempDir,
@@ -22,19 +22,8 @@ struct Pair {
 
 fn tiny_pair() -> Pair {
     let dir = tempfile::tempdir().unwrap();
-    let slm = TinySpec {
-        seed: 11,
-        ..TinySpec::new(Architecture::Qwen2)
-    };
-    let llm = TinySpec {
-        seed: 12,
-        hidden_size: 128,
-        intermediate_size: 256,
-        num_layers: 3,
-        ..TinySpec::new(Architecture::Qwen2)
-    };
     let mut models = Vec::new();
-    for (name, spec) in [("slm", slm), ("llm", llm)] {
+    for (name, spec) in common::server::tiny_pair_specs() {
         let path = dir.path().join(format!("{name}.gguf"));
         write_gguf(&spec, &path, &[GgmlDType::Q8_0, GgmlDType::Q4_0]).unwrap();
         models.push(Arc::new(LoadedModel::load(&path, &Device::Cpu).unwrap()));

@@ -299,26 +299,31 @@ fn bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving() {
     assert_drained(&server);
 }
 
+/// A long streaming chat request whose response has started.
+fn open_long_stream(server: &TestServer) -> std::net::TcpStream {
+    let body = chat(
+        "go on",
+        json!({"stream": true, "max_tokens": 220, "ignore_eos": true}),
+    );
+    let mut stream = send(
+        server.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(body.as_bytes()),
+        &[],
+    )
+    .unwrap();
+    let mut first = [0u8; 512];
+    let n = stream.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+    stream
+}
+
 #[test]
 fn a_client_disconnect_cancels_the_request_and_frees_its_blocks() {
     let server = TestServer::start("", &[]);
     for _ in 0..4 {
-        let body = chat(
-            "go on",
-            json!({"stream": true, "max_tokens": 220, "ignore_eos": true}),
-        );
-        let mut stream = send(
-            server.port,
-            "POST",
-            "/v1/chat/completions",
-            Some(body.as_bytes()),
-            &[],
-        )
-        .unwrap();
-        let mut first = [0u8; 512];
-        let n = stream.read(&mut first).unwrap();
-        assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
-        drop(stream);
+        drop(open_long_stream(&server));
     }
     assert_drained(&server);
     assert!(server.metric("tokenrouter_requests_total{outcome=\"cancelled\"}") >= 1.0);
@@ -409,20 +414,7 @@ fn a_request_past_the_timeout_gets_504_and_is_cancelled() {
 #[test]
 fn sigterm_stops_the_server_cleanly_even_with_a_stream_in_flight() {
     let mut server = TestServer::start("", &["--shutdown-timeout", "2"]);
-    let body = chat(
-        "go on",
-        json!({"stream": true, "max_tokens": 220, "ignore_eos": true}),
-    );
-    let mut stream = send(
-        server.port,
-        "POST",
-        "/v1/chat/completions",
-        Some(body.as_bytes()),
-        &[],
-    )
-    .unwrap();
-    let mut first = [0u8; 64];
-    let _ = stream.read(&mut first).unwrap();
+    let _stream = open_long_stream(&server);
     let status = server.terminate();
     assert!(status.success(), "exit status {status}");
     assert!(

@@ -16,9 +16,8 @@ pub struct TestServer {
     _dir: tempfile::TempDir,
 }
 
-/// Writes the tiny SLM/LLM pair and a config with `extra` appended; returns the directory.
-pub fn tiny_pair_config(extra: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
+/// The tiny SLM and LLM: one tokenizer, different sizes and weights.
+pub fn tiny_pair_specs() -> [(&'static str, TinySpec); 2] {
     let slm = TinySpec {
         seed: 11,
         ..TinySpec::new(Architecture::Qwen2)
@@ -30,7 +29,13 @@ pub fn tiny_pair_config(extra: &str) -> tempfile::TempDir {
         num_layers: 3,
         ..TinySpec::new(Architecture::Qwen2)
     };
-    for (name, spec) in [("slm", slm), ("llm", llm)] {
+    [("slm", slm), ("llm", llm)]
+}
+
+/// Writes the tiny SLM/LLM pair and a config with `extra` appended; returns the directory.
+pub fn tiny_pair_config(extra: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, spec) in tiny_pair_specs() {
         write_gguf(
             &spec,
             &dir.path().join(format!("{name}.gguf")),
