@@ -23,3 +23,4 @@ pub mod model;
 pub mod routing;
 pub mod scheduler;
 pub mod server;
+pub mod tuning;

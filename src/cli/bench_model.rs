@@ -37,9 +37,17 @@ pub struct BenchArgs {
     baseline_candle: bool,
 }
 
-struct Row {
-    prefill_tok_s: f64,
-    decode_tok_s: f64,
+pub(super) struct Row {
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+}
+
+/// What one measurement runs: prompts of `prompt_len` random ids, then `decode_steps` greedy
+/// steps.
+pub(super) struct Workload {
+    pub prompt_len: usize,
+    pub decode_steps: usize,
+    pub seed: u64,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -92,10 +100,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
         println!();
     }
+    let workload = Workload {
+        prompt_len: args.prompt_len,
+        decode_steps: args.decode_steps,
+        seed: args.seed,
+    };
     for &batch in &args.batch {
-        let row = measure(model, batch, &args)?;
+        let row = measure(model, batch, &workload)?;
         let base = match &baseline {
-            Some(b) => Some(measure(&b.model, batch, &args)?),
+            Some(b) => Some(measure(&b.model, batch, &workload)?),
             None => None,
         };
         if args.json {
@@ -133,7 +146,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn measure(model: &Model, batch: usize, args: &BenchArgs) -> anyhow::Result<Row> {
+/// Prefill and decode throughput of `batch` sequences decoding together.
+pub(super) fn measure(model: &Model, batch: usize, args: &Workload) -> anyhow::Result<Row> {
     let config = model.config();
     let block_size = 16;
     let per_seq = (args.prompt_len + args.decode_steps + 1).div_ceil(block_size) * block_size;
@@ -183,7 +197,7 @@ fn measure(model: &Model, batch: usize, args: &BenchArgs) -> anyhow::Result<Row>
 
 /// One prefill and one decode step before timing: weight repacking and thread-pool start-up
 /// happen lazily on first use and would otherwise be charged to the first batch size.
-fn warm_up(model: &Model) -> anyhow::Result<()> {
+pub(super) fn warm_up(model: &Model) -> anyhow::Result<()> {
     let mut kv = KvCache::with_capacity(model.config(), 16, 32)?;
     let mut seq = Sequence::new(vec![1, 2, 3, 4]);
     step(model, &mut kv, &mut [&mut seq], false)?;

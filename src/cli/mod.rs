@@ -1,10 +1,11 @@
-//! Command-line interface: `serve`, `generate`, `bench-model` and `bench-runtime`. Every flag can also be set through
+//! Command-line interface: `serve`, `generate`, `tune`, `bench-model` and `bench-runtime`. Every flag can also be set through
 //! the environment (`TOKENROUTER_<FLAG>`).
 
 mod bench_model;
 mod bench_runtime;
 mod generate;
 mod serve;
+mod tune;
 
 use std::path::PathBuf;
 
@@ -31,6 +32,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode throughput per batch size against the memory roofline.
     BenchModel(bench_model::BenchArgs),
+    /// Delayed-batching thresholds from the throughput model, on profiled step latencies.
+    Tune(tune::TuneArgs),
     /// Token-routed serving throughput of the configured models in every scheduling mode.
     BenchRuntime(bench_runtime::BenchRuntimeArgs),
 }
@@ -38,6 +41,7 @@ enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(args),
+        Command::Tune(args) => tune::run(args),
         Command::Generate(args) => generate::run(args),
         Command::BenchModel(args) => bench_model::run(args),
         Command::BenchRuntime(args) => bench_runtime::run(args),

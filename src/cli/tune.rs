@@ -1,0 +1,222 @@
+//! `tokenrouter tune`: the throughput model's thresholds for delayed batching. Profiles each
+//! configured model's decode-step latency per batch size on this machine (or reads a saved
+//! profile), takes the routing probabilities from flags or measures them with a short routed
+//! run, and prints the predicted throughput of every threshold vector and the best one per
+//! concurrency.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use tokenrouter::actors::{load_models, GenerateRequest, Prompt, RequestEvent, Runtime};
+use tokenrouter::config::{Config, Role, SchedulingMode};
+use tokenrouter::model::{ChatMessage, LoadedModel, SamplingParams};
+use tokenrouter::tuning::{optimize, Candidate, ChainInputs};
+
+use super::bench_model::{measure, warm_up, Workload};
+
+#[derive(Args)]
+pub struct TuneArgs {
+    #[arg(long, env = "TOKENROUTER_CONFIG", default_value = "config.toml")]
+    config: PathBuf,
+    /// Concurrency levels (N) to solve for.
+    #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+    concurrency: Vec<usize>,
+    /// Probability that the SLM hands a token to the LLM (measured when absent).
+    #[arg(long)]
+    p_up: Option<f64>,
+    /// Probability that the LLM hands back after a token (measured when absent).
+    #[arg(long)]
+    p_down: Option<f64>,
+    /// Read step latencies from this profile instead of measuring them.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Write the measured profile here.
+    #[arg(long)]
+    save_profile: Option<PathBuf>,
+    /// Print the best vectors only, one JSON object per concurrency.
+    #[arg(long)]
+    json: bool,
+    /// Model each model on its own device (GPUs) instead of sharing this machine's cores.
+    #[arg(long)]
+    separate_devices: bool,
+}
+
+/// Decode-step seconds per batch size (index 0: batch 1), per model.
+#[derive(Debug, Serialize, Deserialize)]
+struct Profile {
+    models: Vec<String>,
+    latency: Vec<Vec<f64>>,
+}
+
+pub fn run(args: TuneArgs) -> anyhow::Result<()> {
+    let config = Config::load(&args.config)?;
+    let (slm, llm) = match (config.role_index(Role::Slm), config.role_index(Role::Llm)) {
+        (Some(s), Some(l)) if config.models.len() == 2 => (s, l),
+        _ => anyhow::bail!(
+            "tune needs exactly two models with an SLM and an LLM role in {}",
+            args.config.display()
+        ),
+    };
+    let max_n = args.concurrency.iter().copied().max().unwrap_or(0);
+    if max_n == 0 || max_n > 64 {
+        anyhow::bail!("--concurrency needs levels between 1 and 64");
+    }
+    let models = load_models(&config, &candle_core::Device::Cpu)?;
+    let profile = match &args.profile {
+        Some(path) => serde_json::from_str(&std::fs::read_to_string(path)?)
+            .map_err(|e| anyhow::anyhow!("{}: not a profile: {e}", path.display()))?,
+        None => profile_models(&config, &models, max_n)?,
+    };
+    if let Some(path) = &args.save_profile {
+        std::fs::write(path, serde_json::to_string_pretty(&profile)?)?;
+    }
+    let (p_up, p_down) = match (args.p_up, args.p_down) {
+        (Some(u), Some(d)) => (u, d),
+        _ => measure_routing(&config, models, slm, llm)?,
+    };
+    if !(0.0..=1.0).contains(&p_up) || !(0.0..=1.0).contains(&p_down) {
+        anyhow::bail!("--p-up and --p-down are probabilities between 0 and 1");
+    }
+    eprintln!("routing: P(slm→llm) = {p_up:.3}, P(llm→slm) = {p_down:.3}");
+    for &n in &args.concurrency {
+        let latency = [
+            profile.latency[slm][..n.min(profile.latency[slm].len())].to_vec(),
+            profile.latency[llm][..n.min(profile.latency[llm].len())].to_vec(),
+        ];
+        let mut inputs = ChainInputs::two_models(n, p_up, p_down, latency);
+        inputs.shared_compute = !args.separate_devices;
+        let (all, best) = optimize(&inputs);
+        report(n, &all, best.as_deref(), args.json);
+    }
+    Ok(())
+}
+
+fn report(n: usize, all: &[Candidate], best: Option<&[usize]>, json: bool) {
+    let score = |b: &[usize]| {
+        all.iter()
+            .find(|(v, _)| v == b)
+            .and_then(|(_, r)| r.as_ref().ok())
+            .map(|p| p.tokens_per_s)
+    };
+    let eager = score(&[1, 1]);
+    if json {
+        let line = serde_json::json!({"concurrency": n, "best": best, "predicted_tok_s": best.and_then(score), "eager_tok_s": eager});
+        println!("{line}");
+        return;
+    }
+    println!(
+        "N = {n}: predicted tokens/s per threshold vector (slm, llm); infeasible ones deadlock"
+    );
+    let mut ranked: Vec<_> = all
+        .iter()
+        .filter_map(|(b, r)| r.as_ref().ok().map(|p| (b, p)))
+        .collect();
+    ranked.sort_by(|a, b| b.1.tokens_per_s.total_cmp(&a.1.tokens_per_s));
+    for (b, p) in &ranked {
+        println!(
+            "  B = {b:?}: {:.2} tok/s ({} states)",
+            p.tokens_per_s, p.states
+        );
+    }
+    let infeasible = all.len() - ranked.len();
+    println!("  {infeasible} infeasible vectors");
+    if let (Some(b), Some(e)) = (best, eager) {
+        println!(
+            "  best: B = {b:?}, {:.2} tok/s, {:.2}× eager",
+            score(b).unwrap_or(0.0),
+            score(b).unwrap_or(0.0) / e
+        );
+    }
+}
+
+/// Decode-step latency of every model at batch 1..=max_n (measured at powers of two and
+/// interpolated linearly between them).
+fn profile_models(
+    config: &Config,
+    models: &[std::sync::Arc<LoadedModel>],
+    max_n: usize,
+) -> anyhow::Result<Profile> {
+    let workload = Workload {
+        prompt_len: 16,
+        decode_steps: 4,
+        seed: 0,
+    };
+    let mut latency = Vec::new();
+    for (entry, lm) in config.models.iter().zip(models) {
+        warm_up(&lm.model)?;
+        let mut points = Vec::new();
+        let mut b = 1;
+        while b < max_n * 2 {
+            let batch = b.min(max_n);
+            let row = measure(&lm.model, batch, &workload)?;
+            let step = batch as f64 / row.decode_tok_s;
+            eprintln!(
+                "profile {}: batch {batch}: {:.1} ms per step",
+                entry.name,
+                step * 1e3
+            );
+            points.push((batch, step));
+            if batch == max_n {
+                break;
+            }
+            b *= 2;
+        }
+        latency.push((1..=max_n).map(|n| interpolate(&points, n)).collect());
+    }
+    Ok(Profile {
+        models: config.models.iter().map(|m| m.name.clone()).collect(),
+        latency,
+    })
+}
+
+fn interpolate(points: &[(usize, f64)], n: usize) -> f64 {
+    let upper = points
+        .iter()
+        .position(|&(b, _)| b >= n)
+        .unwrap_or(points.len() - 1);
+    if upper == 0 || points[upper].0 == n {
+        return points[upper].1;
+    }
+    let ((b0, l0), (b1, l1)) = (points[upper - 1], points[upper]);
+    l0 + (l1 - l0) * (n - b0) as f64 / (b1 - b0) as f64
+}
+
+/// Handoff probabilities from a short routed run: per model, moves out per step sampled.
+fn measure_routing(
+    config: &Config,
+    models: Vec<std::sync::Arc<LoadedModel>>,
+    slm: usize,
+    llm: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let mut config = config.clone();
+    config.scheduler.mode = SchedulingMode::Eager;
+    actix::System::new().block_on(async move {
+        let runtime = Runtime::start(&config, models)?;
+        let prompts = [
+            "Write a Python function that merges two sorted lists.",
+            "Explain recursion with an example in C.",
+        ];
+        for text in prompts {
+            let mut request = GenerateRequest::new(
+                Prompt::Chat(vec![ChatMessage::new("user", text)]),
+                SamplingParams::greedy(),
+                48,
+            );
+            request.ignore_eos = true;
+            let mut handle = runtime.submit(request);
+            while let Some(event) = handle.events.recv().await {
+                if let RequestEvent::Failed(e) = event {
+                    anyhow::bail!("measuring routing: {e}");
+                }
+            }
+        }
+        let stats = runtime.stats().await;
+        runtime.stop();
+        let (s, l) = (&stats[slm], &stats[llm]);
+        // SLM moves drop the sampled token, so its samples are commits plus moves.
+        let up = s.handoffs_out as f64 / (s.tokens_committed + s.handoffs_out).max(1) as f64;
+        let down = l.handoffs_out as f64 / l.tokens_committed.max(1) as f64;
+        Ok((up, down))
+    })
+}

@@ -1,0 +1,151 @@
+use super::super::{optimize, ChainInputs};
+use super::*;
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-6 * b.abs().max(1.0)
+}
+
+/// `L(b) = base + per_request * b` for batches 1..=max.
+fn linear(base: f64, per_request: f64, max: usize) -> Vec<f64> {
+    (1..=max).map(|b| base + per_request * b as f64).collect()
+}
+
+#[test]
+fn one_model_runs_every_request_in_one_batch() {
+    let inputs = ChainInputs {
+        concurrency: 4,
+        routing: vec![vec![1.0]],
+        drops: vec![false],
+        latency: vec![linear(0.1, 0.01, 8)],
+        // A quantum of 10 ms represents every latency exactly.
+        resolution: 11,
+        shared_compute: false,
+    };
+    let p = solve(&inputs, &[1]).unwrap();
+    assert!(close(p.tokens_per_s, 4.0 / 0.14), "{p:?}");
+    assert_eq!(p.states, 1);
+    // The default, coarser quantum rounds the 140 ms step to 137.5 ms.
+    let coarse = solve(
+        &ChainInputs {
+            resolution: 4,
+            ..inputs
+        },
+        &[1],
+    )
+    .unwrap();
+    assert!(
+        (coarse.tokens_per_s / p.tokens_per_s - 1.0).abs() < 0.03,
+        "{coarse:?}"
+    );
+}
+
+#[test]
+fn with_p_zero_the_second_model_is_never_used() {
+    let mut inputs =
+        ChainInputs::two_models(6, 0.0, 0.0, [linear(0.05, 0.01, 8), linear(0.2, 0.02, 8)]);
+    inputs.resolution = 6;
+    let p = solve(&inputs, &[1, 1]).unwrap();
+    assert!(close(p.tokens_per_s, 6.0 / 0.11), "{p:?}");
+}
+
+#[test]
+fn with_p_one_requests_alternate_and_dropped_tokens_do_not_count() {
+    let flat = vec![0.1; 4];
+    let mut inputs = ChainInputs::two_models(1, 1.0, 1.0, [flat.clone(), flat.clone()]);
+    inputs.drops = vec![false, false];
+    assert!(close(solve(&inputs, &[1, 1]).unwrap().tokens_per_s, 10.0));
+    inputs.drops = vec![true, false];
+    // Every other step's token is dropped.
+    assert!(close(solve(&inputs, &[1, 1]).unwrap().tokens_per_s, 5.0));
+    let mut two = ChainInputs::two_models(2, 1.0, 1.0, [flat.clone(), flat]);
+    two.drops = vec![false, false];
+    assert!(close(solve(&two, &[1, 1]).unwrap().tokens_per_s, 20.0));
+}
+
+#[test]
+fn mirroring_the_models_does_not_change_the_answer() {
+    let (fast, slow) = (linear(0.05, 0.01, 8), linear(0.15, 0.005, 8));
+    let mut a = ChainInputs::two_models(4, 0.3, 0.6, [fast.clone(), slow.clone()]);
+    a.drops = vec![false, false];
+    let mut b = a.clone();
+    b.routing = vec![vec![0.4, 0.6], vec![0.3, 0.7]];
+    b.latency = vec![slow, fast];
+    for (ta, tb) in [([1, 1], [1, 1]), ([2, 1], [1, 2]), ([1, 3], [3, 1])] {
+        let (pa, pb) = (solve(&a, &ta).unwrap(), solve(&b, &tb).unwrap());
+        assert!(
+            close(pa.tokens_per_s, pb.tokens_per_s),
+            "{ta:?}: {pa:?} vs {pb:?}"
+        );
+    }
+    // Symmetric models with symmetric routing and no drops: never faster than every request
+    // stepping alone at the fastest rate, never slower than one batch of all at the slowest.
+    let l = linear(0.05, 0.01, 8);
+    let mut sym = ChainInputs::two_models(4, 0.3, 0.3, [l.clone(), l]);
+    sym.drops = vec![false, false];
+    let t = solve(&sym, &[1, 1]).unwrap().tokens_per_s;
+    assert!((4.0 / 0.09 - 1e-9..=4.0 / 0.06 + 1e-9).contains(&t), "{t}");
+}
+
+#[test]
+fn shared_cores_halve_the_speed_of_two_busy_models() {
+    let flat = vec![0.1; 4];
+    let mut inputs = ChainInputs::two_models(2, 1.0, 1.0, [flat.clone(), flat]);
+    inputs.drops = vec![false, false];
+    // Requests start together on model 0 and move as one batch: never two models at once.
+    let together = solve(&inputs, &[1, 1]).unwrap().tokens_per_s;
+    inputs.shared_compute = true;
+    assert!(close(
+        solve(&inputs, &[1, 1]).unwrap().tokens_per_s,
+        together
+    ));
+    // Requests that split between the models run both at once, each at half speed: slower
+    // than separate devices, but never below half their speed.
+    let mut split = ChainInputs::two_models(2, 0.5, 0.5, [vec![0.1; 2], vec![0.1; 2]]);
+    split.drops = vec![false, false];
+    let separate = solve(&split, &[1, 1]).unwrap().tokens_per_s;
+    split.shared_compute = true;
+    let shared = solve(&split, &[1, 1]).unwrap().tokens_per_s;
+    assert!(
+        shared < separate - 1e-9 && shared >= separate / 2.0 - 1e-9,
+        "{shared} vs {separate}"
+    );
+}
+
+#[test]
+fn thresholds_that_can_deadlock_are_rejected() {
+    let l = linear(0.05, 0.01, 8);
+    let inputs = ChainInputs::two_models(4, 0.5, 0.5, [l.clone(), l]);
+    let err = solve(&inputs, &[3, 3]).unwrap_err();
+    assert!(matches!(err, ChainError::Deadlock { .. }), "{err}");
+    assert!(solve(&inputs, &[1, 1]).is_ok(), "eager never deadlocks");
+}
+
+#[test]
+fn the_optimizer_picks_a_feasible_vector_at_least_as_good_as_eager() {
+    // A slow LLM whose step barely grows with the batch: waiting for a bigger batch pays.
+    let inputs =
+        ChainInputs::two_models(6, 0.2, 0.5, [linear(0.02, 0.002, 8), linear(0.2, 0.001, 8)]);
+    let (all, best) = optimize(&inputs);
+    assert_eq!(all.len(), 36);
+    let best = best.expect("eager is always feasible");
+    let score = |b: &[usize]| {
+        all.iter()
+            .find(|(v, _)| v == b)
+            .unwrap()
+            .1
+            .as_ref()
+            .unwrap()
+            .tokens_per_s
+    };
+    assert!(score(&best) >= score(&[1, 1]) - 1e-9);
+    assert!(all.iter().any(|(_, r)| r.is_err()), "some vectors deadlock");
+}
+
+#[test]
+fn splits_are_multinomial() {
+    let s = splits(3, &[0.5, 0.5]);
+    assert_eq!(s.len(), 4);
+    let total: f64 = s.iter().map(|(p, _)| p).sum();
+    assert!(close(total, 1.0));
+    assert!(close(s[1].0, 3.0 / 8.0));
+}
