@@ -141,10 +141,22 @@ pub enum SchedulingMode {
     Sync,
 }
 
+/// Where delayed-batching thresholds come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ThresholdSource {
+    /// `batch_threshold` of each model.
+    Fixed,
+    /// The throughput model, re-solved online as concurrency and routing drift (two models
+    /// with SLM and LLM roles; step latencies are profiled at start-up).
+    Auto,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SchedulerSettings {
     pub mode: SchedulingMode,
+    pub thresholds: ThresholdSource,
     /// Delayed batching never holds a ready request longer than this.
     pub max_wait_ms: u64,
     /// Tokens one forward pass computes at most (prefill chunks fill what decodes leave).
@@ -157,6 +169,7 @@ impl Default for SchedulerSettings {
     fn default() -> Self {
         Self {
             mode: SchedulingMode::Delayed,
+            thresholds: ThresholdSource::Fixed,
             max_wait_ms: 20,
             max_batch_tokens: 256,
             max_batch_requests: 64,
@@ -221,6 +234,15 @@ impl Config {
             }
         }
         self.validate_routing()?;
+        let paired = self.models.len() == 2
+            && self.role_index(Role::Slm).is_some()
+            && self.role_index(Role::Llm).is_some();
+        if self.scheduler.thresholds == ThresholdSource::Auto && !paired {
+            return Err(
+                "scheduler.thresholds = \"auto\" needs exactly two models, an SLM and an LLM"
+                    .into(),
+            );
+        }
         let s = &self.scheduler;
         if s.max_batch_tokens == 0 || s.max_batch_requests == 0 {
             return Err(

@@ -141,12 +141,13 @@ fn routed_greedy_output_equals_the_full_recompute_oracle_in_every_mode() {
             .filter(|t| t.model == 1)
             .count();
         assert!(routed > 0, "{rule:?}: the oracle never used the LLM");
-        for mode in ["delayed", "eager", "sync"] {
+        // The last entry adds `thresholds = "auto"` to delayed batching.
+        for mode in ["delayed", "eager", "sync", "delayed\"\nthresholds = \"auto"] {
             let config = config(
                 pair.dir.path(),
                 &format!("{routing}[scheduler]\nmode = \"{mode}\"\n"),
             );
-            let outcomes = with_runtime(&config, &pair, async |rt| {
+            let (outcomes, stats) = with_runtime(&config, &pair, async |rt| {
                 let handles: Vec<_> = prompts()
                     .iter()
                     .map(|p| {
@@ -159,8 +160,14 @@ fn routed_greedy_output_equals_the_full_recompute_oracle_in_every_mode() {
                 for h in handles {
                     out.push(collect(h, None).await);
                 }
-                out
+                (out, rt.stats().await)
             });
+            if mode.contains("auto") {
+                assert!(
+                    stats.iter().all(|s| s.tuned_points > 0),
+                    "no thresholds solved: {stats:?}"
+                );
+            }
             for (i, (got, want)) in outcomes.iter().zip(&expected).enumerate() {
                 assert_eq!(got.tokens, want.tokens, "{rule:?}, mode {mode}, prompt {i}");
                 assert!(

@@ -94,5 +94,7 @@ pub enum PeerBody {
 pub struct PeerMessage {
     pub from: ModelIndex,
     pub active_delta: i64,
+    /// The sender's current estimate of its routing probability (online thresholds only).
+    pub route_prob: Option<f64>,
     pub body: PeerBody,
 }

@@ -9,6 +9,7 @@ use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient, SpawnHand
 use super::messages::{Abort, PeerMessage, Submit};
 use super::worker::{ModelWorker, WorkerStats};
 use crate::scheduler::Launch;
+use crate::tuning::online::{solve_point, OperatingPoint};
 
 pub struct ModelActor {
     worker: ModelWorker,
@@ -30,6 +31,14 @@ pub struct GetStats;
 #[rtype(result = "()")]
 struct Step;
 
+/// A threshold solution computed off the actor's thread.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Solved {
+    point: OperatingPoint,
+    best: (usize, usize),
+}
+
 impl ModelActor {
     pub fn new(worker: ModelWorker) -> Self {
         Self {
@@ -40,8 +49,16 @@ impl ModelActor {
         }
     }
 
-    /// Delivers queued peer messages and arranges the next step.
+    /// Delivers queued peer messages, starts any threshold solve, and arranges the next step.
     fn settle(&mut self, ctx: &mut Context<Self>) {
+        if let Some((point, profile)) = self.worker.retune() {
+            // Solving takes up to a second; the actor keeps serving with its current threshold.
+            let addr = ctx.address();
+            std::thread::spawn(move || {
+                let best = solve_point(&profile, point);
+                addr.do_send(Solved { point, best });
+            });
+        }
         let now = Instant::now();
         let launch = self.worker.next_launch(now);
         for (to, msg) in self.worker.take_outbox(launch == Launch::Idle) {
@@ -123,6 +140,15 @@ impl Handler<Step> for ModelActor {
         }
         let _span = tracing::debug_span!("step", model = self.worker.name()).entered();
         self.worker.step(Instant::now());
+        self.settle(ctx);
+    }
+}
+
+impl Handler<Solved> for ModelActor {
+    type Result = ();
+    fn handle(&mut self, msg: Solved, ctx: &mut Context<Self>) {
+        tracing::info!(model = self.worker.name(), point = ?msg.point, best = ?msg.best, "thresholds re-solved");
+        self.worker.solved(msg.point, msg.best);
         self.settle(ctx);
     }
 }

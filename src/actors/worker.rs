@@ -20,8 +20,9 @@ use crate::routing::{
     Arrival, BatchFeatures, ModelIndex, Resume, Route, RoutingAlgorithm, StepView,
 };
 use crate::scheduler::{
-    Launch, LaunchPolicy, LockStep, Plan, RequestId, Scheduler, SchedulerLimits,
+    DelayedBatching, Launch, LaunchPolicy, LockStep, Plan, RequestId, Scheduler, SchedulerLimits,
 };
+use crate::tuning::online::{LatencyProfile, OnlineThresholds, OperatingPoint};
 
 /// How a worker decides to launch: by its own launch policy, or in lock-step with its peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +41,8 @@ pub struct WorkerSetup {
     pub stepping: Stepping,
     /// Cleared when a forward pass panics, so the server can report the model unhealthy.
     pub healthy: Arc<AtomicBool>,
+    /// Thresholds re-solved online by the throughput model (`thresholds = "auto"`).
+    pub online: Option<OnlineThresholds>,
 }
 
 /// Counters a model reports (for tests, logs and metrics).
@@ -64,6 +67,10 @@ pub struct WorkerStats {
     pub handoffs_out: u64,
     pub preemptions: u64,
     pub active_estimate: i64,
+    /// The delayed-batching threshold in force.
+    pub threshold: usize,
+    /// Operating points the online tuner has solved.
+    pub tuned_points: usize,
 }
 
 struct Local {
@@ -98,6 +105,9 @@ pub struct ModelWorker {
     healthy: Arc<AtomicBool>,
     /// Test hook: a forward pass over this token id panics (`TOKENROUTER_FAILPOINT_TOKEN`).
     failpoint: Option<u32>,
+    online: Option<OnlineThresholds>,
+    /// The operating point being solved off-thread, if any.
+    solving: Option<OperatingPoint>,
 }
 
 impl ModelWorker {
@@ -131,6 +141,8 @@ impl ModelWorker {
             last_sent: vec![now; setup.num_models],
             outbox: Vec::new(),
             healthy: setup.healthy,
+            online: setup.online,
+            solving: None,
             failpoint: std::env::var("TOKENROUTER_FAILPOINT_TOKEN")
                 .ok()
                 .and_then(|v| v.parse().ok()),
@@ -243,6 +255,9 @@ impl ModelWorker {
 
     pub fn peer_message(&mut self, msg: PeerMessage, now: Instant) {
         self.active += msg.active_delta;
+        if let (Some(online), Some(p)) = (self.online.as_mut(), msg.route_prob) {
+            online.set_peer_p(p);
+        }
         match msg.body {
             PeerBody::Handoff(h) => self.handoff(msg.from, h, now),
             PeerBody::Release(id) => self.end(id, false),
@@ -264,6 +279,7 @@ impl ModelWorker {
             PeerMessage {
                 from: self.index,
                 active_delta,
+                route_prob: self.online.as_ref().map(OnlineThresholds::own_p),
                 body,
             },
         ));
@@ -291,11 +307,46 @@ impl ModelWorker {
     pub fn next_launch(&self, now: Instant) -> Launch {
         let (ready, oldest) = self.sched.ready();
         match self.stepping {
+            Stepping::Async(LaunchPolicy::Delayed(d)) if self.online.is_some() => {
+                let threshold = self.online.as_ref().map_or(d.threshold, |o| o.current());
+                let policy = LaunchPolicy::Delayed(DelayedBatching { threshold, ..d });
+                policy.decide(ready, oldest, now, self.active.max(0) as usize)
+            }
             Stepping::Async(policy) => {
                 policy.decide(ready, oldest, now, self.active.max(0) as usize)
             }
             Stepping::Sync if self.lockstep.may_start(ready > 0) => Launch::Now,
             Stepping::Sync => Launch::Idle,
+        }
+    }
+
+    /// Online thresholds: moves to the solution for the current operating point; returns a
+    /// point (and the profile) to solve off-thread when none is cached and none is in flight.
+    pub fn retune(&mut self) -> Option<(OperatingPoint, Arc<LatencyProfile>)> {
+        let active = self.active.max(1) as usize;
+        let online = self.online.as_mut()?;
+        let point = online.point(active);
+        if online.update(point) || self.solving.is_some() {
+            return None;
+        }
+        self.solving = Some(point);
+        Some((point, online.profile().clone()))
+    }
+
+    /// An off-thread solution arrived.
+    pub fn solved(&mut self, point: OperatingPoint, best: (usize, usize)) {
+        self.solving = None;
+        if let Some(online) = self.online.as_mut() {
+            online.insert(point, best);
+        }
+    }
+
+    /// The delayed-batching threshold in force (1 when launching eagerly).
+    pub fn threshold(&self) -> usize {
+        match (self.stepping, &self.online) {
+            (Stepping::Async(LaunchPolicy::Delayed(_)), Some(o)) => o.current(),
+            (Stepping::Async(LaunchPolicy::Delayed(d)), None) => d.threshold,
+            _ => 1,
         }
     }
 
@@ -310,6 +361,11 @@ impl ModelWorker {
             pending: s.away,
             preemptions: s.preemptions,
             active_estimate: self.active,
+            threshold: self.threshold(),
+            tuned_points: self
+                .online
+                .as_ref()
+                .map_or(0, OnlineThresholds::solved_points),
             ..self.stats.clone()
         }
     }

@@ -6,12 +6,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use clap::Args;
-use rand::{Rng, SeedableRng};
 
 use tokenrouter::kernels::parallel::for_each_range;
-use tokenrouter::model::runner::{logits_row, step, Sequence};
-use tokenrouter::model::sampler::argmax;
-use tokenrouter::model::{KvCache, MatmulBackend, Model};
+use tokenrouter::model::profile::{measure, warm_up, Workload};
+use tokenrouter::model::MatmulBackend;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -35,19 +33,6 @@ pub struct BenchArgs {
     /// print our speed-up over it.
     #[arg(long)]
     baseline_candle: bool,
-}
-
-pub(super) struct Row {
-    pub prefill_tok_s: f64,
-    pub decode_tok_s: f64,
-}
-
-/// What one measurement runs: prompts of `prompt_len` random ids, then `decode_steps` greedy
-/// steps.
-pub(super) struct Workload {
-    pub prompt_len: usize,
-    pub decode_steps: usize,
-    pub seed: u64,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -143,66 +128,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             println!();
         }
     }
-    Ok(())
-}
-
-/// Prefill and decode throughput of `batch` sequences decoding together.
-pub(super) fn measure(model: &Model, batch: usize, args: &Workload) -> anyhow::Result<Row> {
-    let config = model.config();
-    let block_size = 16;
-    let per_seq = (args.prompt_len + args.decode_steps + 1).div_ceil(block_size) * block_size;
-    let mut kv = KvCache::with_capacity(config, block_size, batch * per_seq)?;
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
-    // Ordinary (non-special) ids from the low part of the vocabulary.
-    let id_range = 0..(config.vocab_size as u32).min(10_000);
-    let mut seqs: Vec<Sequence> = (0..batch)
-        .map(|_| {
-            Sequence::new(
-                (0..args.prompt_len)
-                    .map(|_| rng.random_range(id_range.clone()))
-                    .collect(),
-            )
-        })
-        .collect();
-
-    let started = Instant::now();
-    let mut logits = step(
-        model,
-        &mut kv,
-        &mut seqs.iter_mut().collect::<Vec<_>>(),
-        false,
-    )?
-    .logits;
-    let prefill = started.elapsed().as_secs_f64();
-
-    let started = Instant::now();
-    for _ in 0..args.decode_steps {
-        for (i, s) in seqs.iter_mut().enumerate() {
-            s.tokens.push(argmax(&logits_row(&logits, i)?));
-        }
-        logits = step(
-            model,
-            &mut kv,
-            &mut seqs.iter_mut().collect::<Vec<_>>(),
-            false,
-        )?
-        .logits;
-    }
-    let decode = started.elapsed().as_secs_f64();
-    Ok(Row {
-        prefill_tok_s: (batch * args.prompt_len) as f64 / prefill,
-        decode_tok_s: (batch * args.decode_steps) as f64 / decode,
-    })
-}
-
-/// One prefill and one decode step before timing: weight repacking and thread-pool start-up
-/// happen lazily on first use and would otherwise be charged to the first batch size.
-pub(super) fn warm_up(model: &Model) -> anyhow::Result<()> {
-    let mut kv = KvCache::with_capacity(model.config(), 16, 32)?;
-    let mut seq = Sequence::new(vec![1, 2, 3, 4]);
-    step(model, &mut kv, &mut [&mut seq], false)?;
-    seq.tokens.push(5);
-    step(model, &mut kv, &mut [&mut seq], false)?;
     Ok(())
 }
 

@@ -13,7 +13,7 @@ use tokenrouter::config::{Config, Role, SchedulingMode};
 use tokenrouter::model::{ChatMessage, LoadedModel, SamplingParams};
 use tokenrouter::tuning::{optimize, Candidate, ChainInputs};
 
-use super::bench_model::{measure, warm_up, Workload};
+use tokenrouter::model::profile::step_latencies;
 
 #[derive(Args)]
 pub struct TuneArgs {
@@ -130,56 +130,27 @@ fn report(n: usize, all: &[Candidate], best: Option<&[usize]>, json: bool) {
     }
 }
 
-/// Decode-step latency of every model at batch 1..=max_n (measured at powers of two and
-/// interpolated linearly between them).
+/// Decode-step latency of every model at batch 1..=max_n.
 fn profile_models(
     config: &Config,
     models: &[std::sync::Arc<LoadedModel>],
     max_n: usize,
 ) -> anyhow::Result<Profile> {
-    let workload = Workload {
-        prompt_len: 16,
-        decode_steps: 4,
-        seed: 0,
-    };
     let mut latency = Vec::new();
     for (entry, lm) in config.models.iter().zip(models) {
-        warm_up(&lm.model)?;
-        let mut points = Vec::new();
-        let mut b = 1;
-        while b < max_n * 2 {
-            let batch = b.min(max_n);
-            let row = measure(&lm.model, batch, &workload)?;
-            let step = batch as f64 / row.decode_tok_s;
-            eprintln!(
-                "profile {}: batch {batch}: {:.1} ms per step",
-                entry.name,
-                step * 1e3
-            );
-            points.push((batch, step));
-            if batch == max_n {
-                break;
-            }
-            b *= 2;
-        }
-        latency.push((1..=max_n).map(|n| interpolate(&points, n)).collect());
+        let steps = step_latencies(&lm.model, max_n)?;
+        let shown: Vec<String> = steps.iter().map(|s| format!("{:.0}", s * 1e3)).collect();
+        eprintln!(
+            "profile {}: ms per step at batch 1..={max_n}: {}",
+            entry.name,
+            shown.join(" ")
+        );
+        latency.push(steps);
     }
     Ok(Profile {
         models: config.models.iter().map(|m| m.name.clone()).collect(),
         latency,
     })
-}
-
-fn interpolate(points: &[(usize, f64)], n: usize) -> f64 {
-    let upper = points
-        .iter()
-        .position(|&(b, _)| b >= n)
-        .unwrap_or(points.len() - 1);
-    if upper == 0 || points[upper].0 == n {
-        return points[upper].1;
-    }
-    let ((b0, l0), (b1, l1)) = (points[upper - 1], points[upper]);
-    l0 + (l1 - l0) * (n - b0) as f64 / (b1 - b0) as f64
 }
 
 /// Handoff probabilities from a short routed run: per model, moves out per step sampled.

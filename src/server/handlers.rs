@@ -175,6 +175,7 @@ async fn server_info(state: State) -> HttpResponse {
         "routing": format!("{:?}", c.routing),
         "scheduler": {
             "mode": format!("{:?}", c.scheduler.mode).to_lowercase(),
+            "thresholds": format!("{:?}", c.scheduler.thresholds).to_lowercase(),
             "max_wait_ms": c.scheduler.max_wait_ms,
             "max_batch_tokens": c.scheduler.max_batch_tokens,
             "max_batch_requests": c.scheduler.max_batch_requests,
@@ -191,15 +192,9 @@ async fn metrics(state: State) -> HttpResponse {
     for model in &state.runtime.models {
         stats.push(model.send(GetStats).await.unwrap_or_default());
     }
-    let thresholds: Vec<usize> = state
-        .config
-        .models
-        .iter()
-        .map(|m| m.batch_threshold)
-        .collect();
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
-        .body(state.metrics.render(&stats, &thresholds))
+        .body(state.metrics.render(&stats))
 }
 
 async fn not_found(req: actix_web::HttpRequest) -> Result<HttpResponse, ApiError> {

@@ -111,8 +111,8 @@ impl Metrics {
     }
 
     /// The text exposition, with per-model state taken from `stats` (in model order).
-    pub fn render(&self, stats: &[WorkerStats], thresholds: &[usize]) -> String {
-        for ((s, name), threshold) in stats.iter().zip(&self.names).zip(thresholds) {
+    pub fn render(&self, stats: &[WorkerStats]) -> String {
+        for (s, name) in stats.iter().zip(&self.names) {
             let set =
                 |state: &str, v: i64| self.model_state.with_label_values(&[name, state]).set(v);
             set("kv_blocks_free", s.free_blocks as i64);
@@ -120,7 +120,7 @@ impl Metrics {
             set("kv_blocks_cached", s.cached_blocks as i64);
             set("requests_ready", s.ready as i64);
             set("requests_pending", s.pending as i64);
-            set("batch_threshold", *threshold as i64);
+            set("batch_threshold", s.threshold as i64);
             set("active_estimate", s.active_estimate);
             let total = |c: &str, v: u64| {
                 self.model_totals

@@ -15,6 +15,7 @@
 //! without a timeout the system would deadlock there.
 
 mod chain;
+pub mod online;
 
 pub use chain::{solve, ChainError, Prediction};
 

@@ -1,6 +1,9 @@
 //! Starting the runtime and talking to it.
 
 use super::*;
+use crate::config::{Role, ThresholdSource};
+use crate::model::profile::step_latencies;
+use crate::tuning::online::{LatencyProfile, OnlineThresholds, MAX_TUNED_CONCURRENCY};
 
 /// Loads every configured model, naming the model in any error.
 pub fn load_models(
@@ -51,6 +54,7 @@ impl Runtime {
                 mib = share.bytes >> 20, "KV cache share");
         }
         let s = &config.scheduler;
+        let profile = online_profile(config, &models)?;
         let mut workers = Vec::new();
         let health: Vec<_> = models
             .iter()
@@ -81,6 +85,9 @@ impl Runtime {
                 },
                 stepping,
                 healthy: health[index].clone(),
+                online: profile
+                    .clone()
+                    .map(|p| OnlineThresholds::new(p, config.role_index(Role::Slm) == Some(index))),
             };
             let worker = ModelWorker::new(setup).map_err(|source| RuntimeError::Model {
                 name: entry.name.clone(),
@@ -164,6 +171,38 @@ impl RuntimeShared {
         let actor = RequestActor::new(self.clone(), id, request, tx).start();
         RequestHandle { id, events, actor }
     }
+}
+
+/// With `thresholds = "auto"`: the step latencies of the SLM and the LLM, measured now.
+fn online_profile(
+    config: &Config,
+    models: &[Arc<LoadedModel>],
+) -> Result<Option<Arc<LatencyProfile>>, RuntimeError> {
+    if config.scheduler.thresholds != ThresholdSource::Auto {
+        return Ok(None);
+    }
+    let (Some(slm), Some(llm)) = (config.role_index(Role::Slm), config.role_index(Role::Llm))
+    else {
+        return Err(RuntimeError::Config(
+            "thresholds = \"auto\" needs an SLM and an LLM".into(),
+        ));
+    };
+    let measure = |i: usize| {
+        step_latencies(&models[i].model, MAX_TUNED_CONCURRENCY).map_err(|source| {
+            RuntimeError::Model {
+                name: config.models[i].name.clone(),
+                path: config.models[i].path.clone(),
+                source: Box::new(source),
+            }
+        })
+    };
+    let profile = LatencyProfile {
+        slm: measure(slm)?,
+        llm: measure(llm)?,
+        shared_compute: models.iter().all(|m| m.model.device().is_cpu()),
+    };
+    tracing::info!(?profile, "step latencies for online thresholds");
+    Ok(Some(Arc::new(profile)))
 }
 
 /// Token routing passes token ids between models: their vocabularies must be identical.

@@ -124,6 +124,13 @@ impl ModelWorker {
         let mut routes = Vec::with_capacity(views.len());
         self.router
             .route(self.index, &features, &views, &mut routes);
+        if let Some(online) = self.online.as_mut() {
+            let moves = routes
+                .iter()
+                .filter(|r| matches!(r, Route::Move(to) if *to != self.index))
+                .count();
+            online.observe(routes.len(), moves);
+        }
         for ((s, view), route) in sampled.iter().zip(&views).zip(routes) {
             self.apply_route(s.id, view, route, now);
         }

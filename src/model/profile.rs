@@ -1,0 +1,136 @@
+//! Measuring a model on this machine: prefill and decode throughput of a batch, and the
+//! decode-step latency per batch size that the throughput model (`tuning`) takes as input.
+
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+
+use super::error::Result;
+use super::kv_cache::KvCache;
+use super::runner::{logits_row, step, Sequence};
+use super::sampler::argmax;
+use super::Model;
+
+/// What one measurement runs: prompts of `prompt_len` random ids, then `decode_steps` greedy
+/// steps.
+#[derive(Debug, Clone, Copy)]
+pub struct Workload {
+    pub prompt_len: usize,
+    pub decode_steps: usize,
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Throughput {
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+}
+
+/// Prefill and decode throughput of `batch` sequences decoding together.
+pub fn measure(model: &Model, batch: usize, work: &Workload) -> Result<Throughput> {
+    let config = model.config();
+    let block_size = 16;
+    let per_seq = (work.prompt_len + work.decode_steps + 1).div_ceil(block_size) * block_size;
+    let mut kv = KvCache::with_capacity(config, block_size, batch * per_seq)?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(work.seed);
+    // Ordinary (non-special) ids from the low part of the vocabulary.
+    let id_range = 0..(config.vocab_size as u32).min(10_000);
+    let mut seqs: Vec<Sequence> = (0..batch)
+        .map(|_| {
+            Sequence::new(
+                (0..work.prompt_len)
+                    .map(|_| rng.random_range(id_range.clone()))
+                    .collect(),
+            )
+        })
+        .collect();
+    let started = Instant::now();
+    let mut logits = step(
+        model,
+        &mut kv,
+        &mut seqs.iter_mut().collect::<Vec<_>>(),
+        false,
+    )?
+    .logits;
+    let prefill = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    for _ in 0..work.decode_steps {
+        for (i, s) in seqs.iter_mut().enumerate() {
+            s.tokens.push(argmax(&logits_row(&logits, i)?));
+        }
+        logits = step(
+            model,
+            &mut kv,
+            &mut seqs.iter_mut().collect::<Vec<_>>(),
+            false,
+        )?
+        .logits;
+    }
+    let decode = started.elapsed().as_secs_f64();
+    Ok(Throughput {
+        prefill_tok_s: (batch * work.prompt_len) as f64 / prefill,
+        decode_tok_s: (batch * work.decode_steps) as f64 / decode,
+    })
+}
+
+/// One prefill and one decode step before timing: weight repacking and thread-pool start-up
+/// happen lazily on first use and would otherwise be charged to the first batch size.
+pub fn warm_up(model: &Model) -> Result<()> {
+    let mut kv = KvCache::with_capacity(model.config(), 16, 32)?;
+    let mut seq = Sequence::new(vec![1, 2, 3, 4]);
+    step(model, &mut kv, &mut [&mut seq], false)?;
+    seq.tokens.push(5);
+    step(model, &mut kv, &mut [&mut seq], false)?;
+    Ok(())
+}
+
+/// Seconds of one decode step at every batch size `1..=max_batch`: measured at powers of two
+/// (and `max_batch`), linear in between.
+pub fn step_latencies(model: &Model, max_batch: usize) -> Result<Vec<f64>> {
+    let work = Workload {
+        prompt_len: 16,
+        decode_steps: 4,
+        seed: 0,
+    };
+    warm_up(model)?;
+    let mut points = Vec::new();
+    let mut b = 1;
+    loop {
+        let batch = b.min(max_batch.max(1));
+        let t = measure(model, batch, &work)?;
+        points.push((batch, batch as f64 / t.decode_tok_s));
+        if batch == max_batch.max(1) {
+            break;
+        }
+        b *= 2;
+    }
+    Ok((1..=max_batch.max(1))
+        .map(|n| interpolate(&points, n))
+        .collect())
+}
+
+/// Linear interpolation between measured `(batch, seconds)` points (sorted by batch).
+fn interpolate(points: &[(usize, f64)], n: usize) -> f64 {
+    let upper = points
+        .iter()
+        .position(|&(b, _)| b >= n)
+        .unwrap_or(points.len() - 1);
+    if upper == 0 || points[upper].0 == n {
+        return points[upper].1;
+    }
+    let ((b0, l0), (b1, l1)) = (points[upper - 1], points[upper]);
+    l0 + (l1 - l0) * (n - b0) as f64 / (b1 - b0) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latencies_between_measured_batches_are_interpolated() {
+        let points = [(1, 0.1), (2, 0.2), (4, 0.3)];
+        assert_eq!(interpolate(&points, 1), 0.1);
+        assert!((interpolate(&points, 3) - 0.25).abs() < 1e-12);
+        assert_eq!(interpolate(&points, 4), 0.3);
+    }
+}
