@@ -152,6 +152,21 @@ pub enum ThresholdSource {
     Auto,
 }
 
+impl std::str::FromStr for SchedulingMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "delayed" => Ok(Self::Delayed),
+            "eager" => Ok(Self::Eager),
+            "sync" => Ok(Self::Sync),
+            other => Err(format!(
+                "'{other}' is not a scheduling mode (delayed, eager, sync)"
+            )),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SchedulerSettings {

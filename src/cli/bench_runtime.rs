@@ -72,12 +72,7 @@ pub fn run(args: BenchRuntimeArgs) -> anyhow::Result<()> {
     let modes: Vec<SchedulingMode> = args
         .modes
         .iter()
-        .map(|m| match m.as_str() {
-            "sync" => Ok(SchedulingMode::Sync),
-            "eager" => Ok(SchedulingMode::Eager),
-            "delayed" => Ok(SchedulingMode::Delayed),
-            other => anyhow::bail!("--modes: '{other}' is not sync, eager or delayed"),
-        })
+        .map(|m| m.parse().map_err(|e| anyhow::anyhow!("--modes: {e}")))
         .collect::<anyhow::Result<_>>()?;
     let config = Config::load(&args.config)?;
     let device = super::parse_device(&args.device)?;

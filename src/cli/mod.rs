@@ -1,6 +1,8 @@
-//! Command-line interface: `serve`, `generate`, `tune`, `bench-model` and `bench-runtime`. Every flag can also be set through
+//! Command-line interface: `serve`, `generate`, `tune`, `bench`, `bench-model` and
+//! `bench-runtime`. Every flag can also be set through
 //! the environment (`TOKENROUTER_<FLAG>`).
 
+mod bench;
 mod bench_model;
 mod bench_runtime;
 mod generate;
@@ -32,6 +34,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode throughput per batch size against the memory roofline.
     BenchModel(bench_model::BenchArgs),
+    /// Benchmark a running server (or every scheduling mode with --compare-modes).
+    Bench(bench::BenchArgs),
     /// Delayed-batching thresholds from the throughput model, on profiled step latencies.
     Tune(tune::TuneArgs),
     /// Token-routed serving throughput of the configured models in every scheduling mode.
@@ -42,6 +46,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Tune(args) => tune::run(args),
+        Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(args),
         Command::BenchModel(args) => bench_model::run(args),
         Command::BenchRuntime(args) => bench_runtime::run(args),

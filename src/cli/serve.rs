@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use tokenrouter::config::Config;
+use tokenrouter::config::{Config, SchedulingMode};
 use tokenrouter::server::{serve, ServeSettings};
 
 #[derive(Args)]
@@ -27,13 +27,19 @@ pub struct ServeArgs {
     /// Seconds a request may run (0: no limit); an expired request gets 504.
     #[arg(long, env = "TOKENROUTER_REQUEST_TIMEOUT")]
     request_timeout: Option<f64>,
+    /// Scheduling mode, overriding `[scheduler] mode`: delayed, eager or sync.
+    #[arg(long, env = "TOKENROUTER_MODE")]
+    mode: Option<SchedulingMode>,
     /// Seconds shutdown waits for in-flight requests.
     #[arg(long, env = "TOKENROUTER_SHUTDOWN_TIMEOUT", default_value_t = 10)]
     shutdown_timeout: u64,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let config = Config::load(&args.config)?;
+    let mut config = Config::load(&args.config)?;
+    if let Some(mode) = args.mode {
+        config.scheduler.mode = mode;
+    }
     let s = &config.server;
     let timeout = args.request_timeout.unwrap_or(s.request_timeout_s);
     let settings = ServeSettings {

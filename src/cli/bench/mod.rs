@@ -1,0 +1,247 @@
+//! `tokenrouter bench`: a serving benchmark client, like SGLang's `bench_serving`. Closed-loop
+//! clients at each concurrency send generated, seeded workloads over the OpenAI streaming API
+//! and measure throughput, TTFT, inter-token and end-to-end latency, and the LLM's token share.
+//! `--compare-modes` starts `tokenrouter serve` in each scheduling mode in turn.
+
+mod client;
+mod report;
+mod workload;
+
+use std::cell::{Cell, RefCell};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use report::LevelResult;
+use workload::{chat_body, Workload};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Server to measure (ignored with --compare-modes, which starts its own).
+    #[arg(
+        long,
+        env = "TOKENROUTER_URL",
+        default_value = "http://127.0.0.1:30000"
+    )]
+    url: String,
+    #[arg(long, value_enum, default_value = "short")]
+    workload: Workload,
+    /// Concurrent clients, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    concurrency: Vec<usize>,
+    /// Sessions per concurrency level (default: twice the concurrency).
+    #[arg(long)]
+    num_requests: Option<usize>,
+    /// Output tokens per request (default: the workload's).
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Words in each shared system prompt of the shared-prefix workload (four groups).
+    #[arg(long, default_value_t = 400)]
+    prefix_words: usize,
+    /// Write every level's results here as JSON.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Write `throughput.svg` and `latency.svg` into this folder.
+    #[arg(long)]
+    plot_dir: Option<PathBuf>,
+    /// Start `tokenrouter serve --config CONFIG` in each of --modes in turn.
+    #[arg(long)]
+    compare_modes: bool,
+    #[arg(long, default_value = "config.toml")]
+    config: PathBuf,
+    #[arg(long, value_delimiter = ',', default_value = "sync,eager,delayed")]
+    modes: Vec<String>,
+    #[arg(long, default_value_t = 30111)]
+    port: u16,
+    #[arg(long, env = "TOKENROUTER_API_KEY")]
+    api_key: Option<String>,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.concurrency.is_empty() || args.concurrency.contains(&0) {
+        anyhow::bail!("--concurrency needs positive levels, e.g. --concurrency 1,4,16");
+    }
+    let results = actix_web::rt::System::new().block_on(async {
+        let mut builder = awc::Client::builder().timeout(Duration::from_secs(3600));
+        if let Some(key) = &args.api_key {
+            builder = builder.bearer_auth(key);
+        }
+        let client = builder.finish();
+        let mut results = Vec::new();
+        if !args.compare_modes {
+            results.extend(run_levels(&client, &args.url, &args, "server").await?);
+            return anyhow::Ok(results);
+        }
+        for mode in &args.modes {
+            let mut server = start_server(&args, mode)?;
+            let url = format!("http://127.0.0.1:{}", args.port);
+            let outcome = async {
+                wait_healthy(&client, &url, &mut server).await?;
+                run_levels(&client, &url, &args, mode).await
+            }
+            .await;
+            stop_server(server);
+            results.extend(outcome?);
+        }
+        Ok(results)
+    })?;
+    println!("{}", report::table(&results));
+    if let Some(path) = &args.output {
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
+    }
+    if let Some(dir) = &args.plot_dir {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("throughput.svg"), report::throughput_svg(&results))?;
+        std::fs::write(dir.join("latency.svg"), report::latency_svg(&results))?;
+    }
+    Ok(())
+}
+
+/// Every concurrency level against one server.
+async fn run_levels(
+    client: &awc::Client,
+    url: &str,
+    args: &BenchArgs,
+    mode: &str,
+) -> anyhow::Result<Vec<LevelResult>> {
+    let mut results = Vec::new();
+    for &c in &args.concurrency {
+        let sessions = args.num_requests.unwrap_or(2 * c).max(1);
+        let started = Instant::now();
+        let (samples, failed) = run_level(client, url, args, c, sessions).await;
+        let r = report::summarize(
+            mode,
+            c,
+            &samples,
+            failed.len(),
+            started.elapsed().as_secs_f64(),
+        );
+        eprintln!(
+            "\r{mode} c={c}: {:.1} output tok/s, {} requests, {} failed{}",
+            r.output_tok_s,
+            r.requests,
+            r.failed,
+            failed
+                .first()
+                .map(|e| format!(" (first: {e})"))
+                .unwrap_or_default()
+        );
+        results.push(r);
+    }
+    Ok(results)
+}
+
+/// `sessions` sessions from `concurrency` clients; each client starts its next session when
+/// the last turn of the previous one has ended.
+async fn run_level(
+    client: &awc::Client,
+    url: &str,
+    args: &BenchArgs,
+    concurrency: usize,
+    sessions: usize,
+) -> (Vec<client::Sample>, Vec<String>) {
+    let next = Rc::new(Cell::new(0usize));
+    let done = Rc::new(Cell::new(0usize));
+    let out = Rc::new(RefCell::new((Vec::new(), Vec::new())));
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (client, url, next, done, out) = (
+                client.clone(),
+                url.to_string(),
+                next.clone(),
+                done.clone(),
+                out.clone(),
+            );
+            let (workload, seed, max_tokens, words) =
+                (args.workload, args.seed, args.max_tokens, args.prefix_words);
+            actix_web::rt::spawn(async move {
+                while next.get() < sessions {
+                    let i = next.get();
+                    next.set(i + 1);
+                    let session = workload.session(i, seed, max_tokens, words);
+                    let mut replies = Vec::new();
+                    for turn in 0..session.turns.len() {
+                        let body = chat_body(&session, turn, &replies);
+                        match client::chat(&client, &url, &body).await {
+                            Ok(sample) => {
+                                replies.push(sample.text.clone());
+                                out.borrow_mut().0.push(sample);
+                            }
+                            Err(e) => {
+                                out.borrow_mut().1.push(e);
+                                break;
+                            }
+                        }
+                    }
+                    done.set(done.get() + 1);
+                    progress(done.get(), sessions);
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+    Rc::try_unwrap(out)
+        .map(RefCell::into_inner)
+        .unwrap_or_default()
+}
+
+fn progress(done: usize, total: usize) {
+    let width = 30;
+    let filled = done * width / total.max(1);
+    eprint!(
+        "\r[{}{}] {done}/{total} sessions",
+        "#".repeat(filled),
+        ".".repeat(width - filled)
+    );
+}
+
+fn start_server(args: &BenchArgs, mode: &str) -> anyhow::Result<Child> {
+    let exe = std::env::current_exe()?;
+    eprintln!(
+        "starting tokenrouter serve in mode {mode} on port {}",
+        args.port
+    );
+    Ok(Command::new(exe)
+        .args([
+            "serve",
+            "--mode",
+            mode,
+            "--port",
+            &args.port.to_string(),
+            "--config",
+        ])
+        .arg(&args.config)
+        .stdout(Stdio::null())
+        .spawn()?)
+}
+
+async fn wait_healthy(client: &awc::Client, url: &str, server: &mut Child) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = server.try_wait()? {
+            anyhow::bail!("the server exited during start-up ({status})");
+        }
+        if let Ok(r) = client.get(format!("{url}/health")).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        if started.elapsed() > Duration::from_secs(900) {
+            anyhow::bail!("the server did not become healthy within 15 minutes");
+        }
+        actix_web::rt::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn stop_server(mut server: Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &server.id().to_string()])
+        .status();
+    let _ = server.wait();
+}
