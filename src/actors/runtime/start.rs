@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::config::{Role, ThresholdSource};
-use crate::model::profile::step_latencies;
+use crate::model::profile::{step_latencies, warm_up};
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, MAX_TUNED_CONCURRENCY};
 
 /// Loads every configured model, naming the model in any error.
@@ -54,6 +54,15 @@ impl Runtime {
                 mib = share.bytes >> 20, "KV cache share");
         }
         let s = &config.scheduler;
+        // The first forward pass of a model pays for lazy set-up (weight repacking, page
+        // faults, thread-pool start); pay it here rather than in the first request's latency.
+        for (entry, model) in config.models.iter().zip(&models) {
+            warm_up(&model.model).map_err(|source| RuntimeError::Model {
+                name: entry.name.clone(),
+                path: entry.path.clone(),
+                source: Box::new(source),
+            })?;
+        }
         let profile = online_profile(config, &models)?;
         let mut workers = Vec::new();
         let health: Vec<_> = models
