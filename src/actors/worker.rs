@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::messages::{Handoff, PeerBody, PeerMessage, RequestMeta, TokenEvent};
 use crate::kernels::routing_features::entropy_rows;
 use crate::model::runner::FinishReason;
-use crate::model::{BlockTable, KvCache, LoadedModel, Sampler, SeqInput};
+use crate::model::{KvCache, LoadedModel, Sampler, SeqInput};
 use crate::routing::{
     Arrival, BatchFeatures, ModelIndex, Resume, Route, RoutingAlgorithm, StepView,
 };
@@ -76,7 +76,6 @@ pub struct WorkerStats {
 struct Local {
     meta: Arc<RequestMeta>,
     tokens: Vec<u32>,
-    table: BlockTable,
     sampler: Sampler,
     tokens_here: usize,
 }
@@ -219,7 +218,6 @@ impl ModelWorker {
         let local = Local {
             meta,
             tokens,
-            table: BlockTable::default(),
             sampler,
             tokens_here: 0,
         };

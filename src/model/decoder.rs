@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
-use super::kv_cache::{BlockTable, KvCache};
+use super::kv_cache::KvCache;
 use super::weights::{Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
 use crate::kernels::attention::{paged_attention, AttentionSeq};
 use crate::kernels::rope::{inverse_frequencies, RotaryAngles};
@@ -23,8 +23,9 @@ pub struct SeqInput<'a> {
     /// Tokens to run, at positions `start_pos..start_pos + tokens.len()`.
     pub tokens: &'a [u32],
     pub start_pos: usize,
-    /// Must already hold `start_pos + tokens.len()` positions (see [`KvCache::reserve`]).
-    pub blocks: &'a BlockTable,
+    /// KV block ids of the sequence, in order; must already hold `start_pos + tokens.len()`
+    /// positions (see [`KvCache::reserve`]).
+    pub blocks: &'a [u32],
 }
 
 pub struct ForwardOutput {
@@ -226,7 +227,7 @@ impl Model {
         let attn_seqs: Vec<AttentionSeq> = batch
             .iter()
             .map(|s| AttentionSeq {
-                blocks: s.blocks.blocks(),
+                blocks: s.blocks,
                 start_pos: s.start_pos,
                 num_tokens: s.tokens.len(),
             })
@@ -299,10 +300,10 @@ impl Model {
                     limit: c.context_length,
                 });
             }
-            if kv.capacity(seq.blocks) < end {
+            let capacity = seq.blocks.len() * kv.block_size();
+            if capacity < end {
                 return Err(ModelError::InvalidBatch(format!(
-                    "sequence {i} needs {end} KV positions but its block table holds {}",
-                    kv.capacity(seq.blocks)
+                    "sequence {i} needs {end} KV positions but its block table holds {capacity}"
                 )));
             }
             if let Some(&id) = seq.tokens.iter().find(|&&id| id as usize >= c.vocab_size) {

@@ -17,12 +17,6 @@ pub struct BlockTable {
 }
 
 impl BlockTable {
-    /// A table over blocks allocated by someone else (the runtime's scheduler, which shares
-    /// cached prefix blocks between sequences); such tables bypass [`KvCache::reserve`].
-    pub fn from_blocks(blocks: Vec<u32>) -> Self {
-        Self { blocks }
-    }
-
     pub fn blocks(&self) -> &[u32] {
         &self.blocks
     }

@@ -67,7 +67,7 @@ pub fn step(
         .map(|s| SeqInput {
             tokens: &s.tokens[s.computed..],
             start_pos: s.computed,
-            blocks: &s.table,
+            blocks: s.table.blocks(),
         })
         .collect();
     let out = model.forward(&inputs, kv, want_hidden)?;

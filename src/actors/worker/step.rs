@@ -19,11 +19,6 @@ impl ModelWorker {
             return false;
         }
         let plan = self.sched.schedule();
-        for id in &plan.preempted {
-            if let Some(local) = self.requests.get_mut(id) {
-                local.table = BlockTable::default();
-            }
-        }
         if !plan.items.is_empty() {
             match self.forward(&plan) {
                 Ok(logits) => self.after_forward(&plan, &logits, now),
@@ -42,10 +37,6 @@ impl ModelWorker {
     /// Runs the batch over the blocks the scheduler assigned; returns its logits,
     /// `[items, vocab]`. A panic inside the model is caught and reported like an error.
     fn forward(&mut self, plan: &Plan) -> Result<Vec<f32>, String> {
-        for item in &plan.items {
-            let local = self.requests.get_mut(&item.id).expect("planned request");
-            local.table = BlockTable::from_blocks(self.sched.blocks(item.id).to_vec());
-        }
         let inputs: Vec<SeqInput> = plan
             .items
             .iter()
@@ -54,7 +45,7 @@ impl ModelWorker {
                 SeqInput {
                     tokens: &local.tokens[item.start..item.start + item.num_tokens],
                     start_pos: item.start,
-                    blocks: &local.table,
+                    blocks: self.sched.blocks(item.id),
                 }
             })
             .collect();
