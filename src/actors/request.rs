@@ -244,7 +244,10 @@ impl Handler<TokenEvent> for RequestActor {
                 let (text, ending) = state.on_token(token, model, Instant::now());
                 self.emit(text, ctx);
                 if let Some(summary) = ending {
-                    self.end(RequestEvent::Finished(summary), true, ctx);
+                    // The model that committed the token ends the request itself on an
+                    // end-of-sequence token or at max_tokens; only a stop string is ours alone.
+                    let abort = summary.stop.is_some();
+                    self.end(RequestEvent::Finished(summary), abort, ctx);
                 }
             }
             TokenEvent::Moved { from, to } => {
