@@ -4,18 +4,20 @@
 
 use super::parallel::{for_each_range, DisjointOut};
 
-/// `out[i]` = entropy of `softmax(logits[i * vocab..(i + 1) * vocab])`.
-pub fn entropy_rows(logits: &[f32], vocab: usize, out: &mut [f32]) {
+/// `out[k]` = entropy of the softmax of row `rows[k]` of `logits` (`[_, vocab]`).
+pub fn entropy_rows(logits: &[f32], vocab: usize, rows: &[usize], out: &mut [f32]) {
+    assert!(vocab > 0 && rows.len() == out.len(), "one output per row");
     assert!(
-        vocab > 0 && logits.len() == out.len() * vocab,
-        "logits are [rows, vocab]"
+        rows.iter().all(|&r| (r + 1) * vocab <= logits.len()),
+        "rows lie inside the [_, vocab] logits"
     );
     let dst = DisjointOut::new(out);
-    for_each_range(out.len(), |rows| {
-        for r in rows {
+    for_each_range(rows.len(), |ks| {
+        for k in ks {
+            let r = rows[k];
             let h = row_entropy(&logits[r * vocab..(r + 1) * vocab]);
-            // SAFETY: each row index is handed to exactly one task.
-            unsafe { dst.slice(r, 1)[0] = h };
+            // SAFETY: each output index is handed to exactly one task.
+            unsafe { dst.slice(k, 1)[0] = h };
         }
     });
 }
@@ -61,7 +63,7 @@ mod tests {
             .map(|i| ((i * 7919 % 113) as f32 / 10.0) - 5.0)
             .collect();
         let mut out = vec![0.0; 5];
-        entropy_rows(&logits, vocab, &mut out);
+        entropy_rows(&logits, vocab, &[0, 1, 2, 3, 4], &mut out);
         for (r, h) in out.iter().enumerate() {
             let want = reference(&logits[r * vocab..(r + 1) * vocab]);
             assert!((h - want).abs() < 1e-4, "row {r}: {h} vs {want}");
@@ -73,7 +75,7 @@ mod tests {
         let mut out = [0.0; 2];
         let mut logits = vec![0.0f32; 2 * 64];
         logits[64 + 3] = 100.0;
-        entropy_rows(&logits, 64, &mut out);
+        entropy_rows(&logits, 64, &[0, 1], &mut out);
         assert!((out[0] - (64f32).ln()).abs() < 1e-5);
         assert!(out[1].abs() < 1e-5);
     }

@@ -95,9 +95,9 @@ impl ModelWorker {
         }
         let mut entropy = Vec::new();
         if self.router.needs().entropy {
-            entropy = vec![0.0; plan.items.len()];
-            entropy_rows(logits, vocab, &mut entropy);
-            entropy = sampled.iter().map(|s| entropy[s.row]).collect();
+            let rows: Vec<usize> = sampled.iter().map(|s| s.row).collect();
+            entropy = vec![0.0; rows.len()];
+            entropy_rows(logits, vocab, &rows, &mut entropy);
         }
         let views: Vec<StepView> = sampled
             .iter()
