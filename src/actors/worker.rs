@@ -285,7 +285,7 @@ impl ModelWorker {
 
     fn count_active(&mut self, delta: i64) {
         self.active += delta;
-        for p in self.peers().collect::<Vec<_>>() {
+        for p in self.peers() {
             self.unsent[p] += delta;
         }
     }
@@ -293,7 +293,7 @@ impl ModelWorker {
     /// Peer messages queued since the last call; counters that found no message to ride on
     /// for a while (or at all, when this model is idle) get one of their own.
     pub fn take_outbox(&mut self, idle: bool) -> Vec<(ModelIndex, PeerMessage)> {
-        for p in self.peers().collect::<Vec<_>>() {
+        for p in self.peers() {
             if self.unsent[p] != 0 && (idle || self.last_sent[p].elapsed() >= COUNTER_FLUSH) {
                 self.send(p, PeerBody::Counters);
             }

@@ -27,7 +27,7 @@ impl ModelWorker {
         }
         if self.stepping == Stepping::Sync {
             let round = self.lockstep.finish_round();
-            for peer in self.peers().collect::<Vec<_>>() {
+            for peer in self.peers() {
                 self.send(peer, PeerBody::RoundDone(round));
             }
         }
