@@ -49,7 +49,13 @@ impl Choices {
             let mut handle = runtime.submit(request);
             let (tx, metrics) = (tx.clone(), metrics.clone());
             actix_web::rt::spawn(async move {
-                let deadline = tokio::time::sleep(timeout.unwrap_or(Duration::MAX / 4));
+                // Without a timeout the deadline never fires.
+                let deadline = async {
+                    match timeout {
+                        Some(t) => tokio::time::sleep(t).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::pin!(deadline);
                 loop {
                     tokio::select! {
