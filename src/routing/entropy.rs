@@ -1,63 +1,20 @@
 //! Entropy threshold: the SLM generates until its next-token entropy exceeds `threshold`; that
 //! token is dropped and the LLM generates it instead, then hands the request straight back.
+//! That is R-Stitch whose LLM always hands back (its `low` threshold is infinite), so it is
+//! built as one.
 
-use super::{
-    BatchFeatures, FeatureNeeds, ModelIndex, Pair, Route, RoutingAlgorithm, SendPlan, StepView,
-};
+use super::rstitch::RStitch;
+use super::Pair;
 
-pub struct EntropyThreshold {
-    pair: Pair,
-    threshold: f32,
-}
-
-impl EntropyThreshold {
-    pub fn new(pair: Pair, threshold: f32) -> Self {
-        Self { pair, threshold }
-    }
-}
-
-impl RoutingAlgorithm for EntropyThreshold {
-    fn name(&self) -> &'static str {
-        "entropy"
-    }
-
-    fn needs(&self) -> FeatureNeeds {
-        FeatureNeeds { entropy: true }
-    }
-
-    fn first_model(&self, _prompt: &[u32]) -> ModelIndex {
-        self.pair.slm
-    }
-
-    fn route(
-        &self,
-        model: ModelIndex,
-        features: &BatchFeatures,
-        batch: &[StepView],
-        out: &mut Vec<Route>,
-    ) {
-        let Pair { slm, llm } = self.pair;
-        super::route_rows(batch, out, |i, _| {
-            if model == llm {
-                Route::Move(slm)
-            } else if features.entropy[i] > self.threshold {
-                Route::Move(llm)
-            } else {
-                Route::Stay
-            }
-        });
-    }
-
-    fn send(&self, from: ModelIndex, _to: ModelIndex, _step: &StepView) -> SendPlan {
-        SendPlan {
-            keep_token: from == self.pair.llm,
-        }
-    }
+/// The entropy-threshold algorithm.
+pub fn entropy_threshold(pair: Pair, threshold: f32) -> RStitch {
+    RStitch::named("entropy", pair, threshold, f32::INFINITY)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::routing::{BatchFeatures, ModelIndex, Route, RoutingAlgorithm, StepView};
 
     fn view(model: ModelIndex) -> StepView {
         StepView {
@@ -70,7 +27,7 @@ mod tests {
 
     #[test]
     fn uncertain_slm_tokens_go_to_the_llm_which_returns_after_one() {
-        let algo = EntropyThreshold::new(Pair { slm: 0, llm: 1 }, 1.0);
+        let algo = entropy_threshold(Pair { slm: 0, llm: 1 }, 1.0);
         let mut out = Vec::new();
         let entropy = [0.5, 1.5];
         let features = BatchFeatures { entropy: &entropy };

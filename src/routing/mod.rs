@@ -16,7 +16,7 @@ mod single;
 
 use std::sync::Arc;
 
-pub use entropy::EntropyThreshold;
+pub use entropy::entropy_threshold;
 pub use rstitch::RStitch;
 pub use single::SingleModel;
 
@@ -143,9 +143,7 @@ pub fn build(config: &Config) -> Result<Arc<dyn RoutingAlgorithm>, RoutingError>
             };
             Arc::new(SingleModel::new(index))
         }
-        RoutingConfig::Entropy { threshold } => {
-            Arc::new(EntropyThreshold::new(pair()?, *threshold))
-        }
+        RoutingConfig::Entropy { threshold } => Arc::new(entropy_threshold(pair()?, *threshold)),
         RoutingConfig::RStitch { high, low } => Arc::new(RStitch::new(pair()?, *high, *low)),
     })
 }

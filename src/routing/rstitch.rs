@@ -7,6 +7,7 @@ use super::{
 };
 
 pub struct RStitch {
+    name: &'static str,
     pair: Pair,
     high: f32,
     low: f32,
@@ -14,13 +15,23 @@ pub struct RStitch {
 
 impl RStitch {
     pub fn new(pair: Pair, high: f32, low: f32) -> Self {
-        Self { pair, high, low }
+        Self::named("r-stitch", pair, high, low)
+    }
+
+    /// The same rule under another algorithm's name (see `entropy.rs`).
+    pub fn named(name: &'static str, pair: Pair, high: f32, low: f32) -> Self {
+        Self {
+            name,
+            pair,
+            high,
+            low,
+        }
     }
 }
 
 impl RoutingAlgorithm for RStitch {
     fn name(&self) -> &'static str {
-        "r-stitch"
+        self.name
     }
 
     fn needs(&self) -> FeatureNeeds {
