@@ -244,10 +244,11 @@ impl Handler<TokenEvent> for RequestActor {
                 let (text, ending) = state.on_token(token, model, Instant::now());
                 self.emit(text, ctx);
                 if let Some(summary) = ending {
-                    // The model that committed the token ends the request itself on an
-                    // end-of-sequence token or at max_tokens; only a stop string is ours alone.
-                    let abort = summary.stop.is_some();
-                    self.end(RequestEvent::Finished(summary), abort, ctx);
+                    // Also on end-of-sequence and max_tokens, where the committing model ends
+                    // the request itself: aborting here puts the release in every model's
+                    // mailbox before the terminal event is seen, so whatever the listener
+                    // sends next finds the blocks already freed.
+                    self.end(RequestEvent::Finished(summary), true, ctx);
                 }
             }
             TokenEvent::Moved { from, to } => {
