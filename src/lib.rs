@@ -18,6 +18,7 @@
 
 pub mod actors;
 pub mod config;
+pub mod gateway;
 pub mod kernels;
 pub mod model;
 pub mod routing;

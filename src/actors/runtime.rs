@@ -17,7 +17,9 @@ use super::worker::{ModelWorker, Stepping, WorkerSetup, WorkerStats};
 use crate::config::{Config, SchedulingMode};
 use crate::model::{KvCache, LoadedModel, ModelError};
 use crate::routing::{RoutingAlgorithm, RoutingError};
-use crate::scheduler::{DelayedBatching, LaunchPolicy, RequestId, SchedulerLimits};
+use crate::scheduler::{
+    DelayedBatching, LaunchPolicy, PublishedPrefixes, RequestId, SchedulerLimits,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -48,6 +50,9 @@ pub struct RuntimeShared {
     pub max_context: usize,
     /// Per model: false once a forward pass panicked.
     pub health: Vec<Arc<AtomicBool>>,
+    /// Per model: the prefixes its KV cache holds, as of its last step.
+    pub prefixes: Vec<Arc<PublishedPrefixes>>,
+    pub block_size: usize,
     next_id: AtomicU64,
 }
 
@@ -117,6 +122,15 @@ impl RuntimeShared {
             Some(n) => n,
         };
         Ok(Admitted { prompt, max_tokens })
+    }
+
+    /// Prompt tokens of `request` and how many of them the first model holds in its prefix
+    /// cache (as of its last step).
+    pub fn cached_prefix(&self, request: &GenerateRequest) -> Result<(usize, usize), RequestError> {
+        let prompt = self.prepare(request)?.prompt;
+        let first = self.router.first_model(&prompt);
+        let cached = self.prefixes[first].cached_tokens(&prompt, self.block_size);
+        Ok((prompt.len(), cached))
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, RequestError> {

@@ -20,7 +20,8 @@ use crate::routing::{
     Arrival, BatchFeatures, ModelIndex, Resume, Route, RoutingAlgorithm, StepView,
 };
 use crate::scheduler::{
-    DelayedBatching, Launch, LaunchPolicy, LockStep, Plan, RequestId, Scheduler, SchedulerLimits,
+    DelayedBatching, Launch, LaunchPolicy, LockStep, Plan, PublishedPrefixes, RequestId, Scheduler,
+    SchedulerLimits,
 };
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, OperatingPoint};
 
@@ -41,6 +42,8 @@ pub struct WorkerSetup {
     pub stepping: Stepping,
     /// Cleared when a forward pass panics, so the server can report the model unhealthy.
     pub healthy: Arc<AtomicBool>,
+    /// Where the cached prefixes are published after each step.
+    pub prefixes: Arc<PublishedPrefixes>,
     /// Thresholds re-solved online by the throughput model (`thresholds = "auto"`).
     pub online: Option<OnlineThresholds>,
 }
@@ -55,6 +58,8 @@ pub struct WorkerStats {
     pub cached_blocks: usize,
     /// Tokens whose K/V came from the prefix cache instead of being computed.
     pub prefix_hit_tokens: u64,
+    /// Tokens of the requests that looked up the prefix cache.
+    pub prefix_lookup_tokens: u64,
     /// Requests with state here, running or pending.
     pub requests: usize,
     /// Requests with work to do here (the queue a step draws from).
@@ -102,6 +107,7 @@ pub struct ModelWorker {
     outbox: Vec<(ModelIndex, PeerMessage)>,
     stats: WorkerStats,
     healthy: Arc<AtomicBool>,
+    prefixes: Arc<PublishedPrefixes>,
     /// Test hook: a forward pass over this token id panics (`TOKENROUTER_FAILPOINT_TOKEN`).
     failpoint: Option<u32>,
     online: Option<OnlineThresholds>,
@@ -140,6 +146,7 @@ impl ModelWorker {
             last_sent: vec![now; setup.num_models],
             outbox: Vec::new(),
             healthy: setup.healthy,
+            prefixes: setup.prefixes,
             online: setup.online,
             solving: None,
             failpoint: std::env::var("TOKENROUTER_FAILPOINT_TOKEN")
@@ -354,6 +361,7 @@ impl ModelWorker {
             free_blocks: s.free_blocks,
             cached_blocks: s.cached_blocks,
             prefix_hit_tokens: s.prefix_hit_tokens,
+            prefix_lookup_tokens: s.prefix_lookup_tokens,
             requests: self.requests.len(),
             ready: s.ready,
             pending: s.away,

@@ -1,12 +1,14 @@
-//! Command-line interface: `serve`, `generate`, `tune`, `bench`, `bench-model` and
+//! Command-line interface: `serve`, `gateway`, `generate`, `tune`, `bench`, `bench-model` and
 //! `bench-runtime`. Every flag can also be set through
 //! the environment (`TOKENROUTER_<FLAG>`).
 
 mod bench;
 mod bench_model;
 mod bench_runtime;
+mod gateway;
 mod generate;
 mod serve;
+mod serve_dp;
 mod tune;
 
 use std::path::PathBuf;
@@ -38,6 +40,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Delayed-batching thresholds from the throughput model, on profiled step latencies.
     Tune(tune::TuneArgs),
+    /// Cache-aware gateway in front of running servers (data parallelism).
+    Gateway(gateway::GatewayArgs),
     /// Token-routed serving throughput of the configured models in every scheduling mode.
     BenchRuntime(bench_runtime::BenchRuntimeArgs),
 }
@@ -45,6 +49,7 @@ enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(args),
+        Command::Gateway(args) => gateway::run(args),
         Command::Tune(args) => tune::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(args),

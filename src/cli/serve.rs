@@ -5,6 +5,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+
+use super::gateway::GatewayRouting;
+use super::serve_dp;
 use tokenrouter::config::{Config, SchedulingMode};
 use tokenrouter::server::{serve, ServeSettings};
 
@@ -33,6 +36,54 @@ pub struct ServeArgs {
     /// Seconds shutdown waits for in-flight requests.
     #[arg(long, env = "TOKENROUTER_SHUTDOWN_TIMEOUT", default_value_t = 10)]
     shutdown_timeout: u64,
+    /// Data parallelism: start this many servers on the ports after --port, with the
+    /// gateway on --port in front of them.
+    #[arg(long, env = "TOKENROUTER_DP_SIZE", default_value_t = 1)]
+    dp_size: usize,
+    /// Gateway routing (with --dp-size > 1).
+    #[command(flatten)]
+    gateway: GatewayRouting,
+}
+
+impl ServeArgs {
+    /// The flags each data-parallel server is started with (host and port are added).
+    fn server_args(&self) -> Vec<String> {
+        let mut args = vec!["--config".to_string(), self.config.display().to_string()];
+        let mut flag = |name: &str, value: Option<String>| {
+            if let Some(v) = value {
+                args.extend([format!("--{name}"), v]);
+            }
+        };
+        flag("api-key", self.api_key.clone());
+        flag("max-requests", self.max_requests.map(|v| v.to_string()));
+        flag(
+            "request-timeout",
+            self.request_timeout.map(|v| v.to_string()),
+        );
+        flag("mode", self.mode.map(|m| format!("{m:?}").to_lowercase()));
+        flag("shutdown-timeout", Some(self.shutdown_timeout.to_string()));
+        args
+    }
+
+    /// Servers on the following ports, the gateway on ours; all stop together.
+    fn run_data_parallel(&self, host: &str, port: u16) -> anyhow::Result<()> {
+        let first = port
+            .checked_add(1)
+            .filter(|p| p.checked_add(self.dp_size as u16).is_some());
+        let Some(first) = first else {
+            anyhow::bail!(
+                "--port {port} leaves no room for {} servers after it",
+                self.dp_size
+            );
+        };
+        let ready_within = Duration::from_secs(900);
+        let (urls, servers) =
+            serve_dp::start(self.dp_size, first, &self.server_args(), ready_within)?;
+        let settings = self.gateway.settings(host, port, urls)?;
+        let result = tokenrouter::gateway::run(settings);
+        drop(servers);
+        result
+    }
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -41,6 +92,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         config.scheduler.mode = mode;
     }
     let s = &config.server;
+    if args.dp_size > 1 {
+        let host = args.host.clone().unwrap_or_else(|| s.host.clone());
+        return args.run_data_parallel(&host, args.port.unwrap_or(s.port));
+    }
+    if args.dp_size == 0 {
+        anyhow::bail!("--dp-size must be at least 1");
+    }
     let timeout = args.request_timeout.unwrap_or(s.request_timeout_s);
     let settings = ServeSettings {
         host: args.host.clone().unwrap_or_else(|| s.host.clone()),

@@ -41,6 +41,8 @@ pub struct BlockPool {
     /// Unreferenced cached blocks by release time (oldest first).
     evictable: BTreeMap<u64, u32>,
     tick: u64,
+    /// Bumped whenever the index gains or loses a prefix.
+    generation: u64,
 }
 
 impl BlockPool {
@@ -51,6 +53,7 @@ impl BlockPool {
             index: HashMap::new(),
             evictable: BTreeMap::new(),
             tick: 0,
+            generation: 0,
         }
     }
 
@@ -78,6 +81,7 @@ impl BlockPool {
                 let state = &mut self.blocks[id as usize];
                 if let Some(hash) = state.hash.take() {
                     self.index.remove(&hash);
+                    self.generation += 1;
                 }
                 state.lru_tick = None;
                 id
@@ -112,6 +116,17 @@ impl BlockPool {
         }
         self.index.insert(hash, id);
         self.blocks[id as usize].hash = Some(hash);
+        self.generation += 1;
+    }
+
+    /// Changes whenever the set of indexed prefixes does.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Every indexed prefix.
+    pub fn indexed(&self) -> impl Iterator<Item = PrefixHash> + '_ {
+        self.index.keys().copied()
     }
 
     /// The blocks of the longest indexed prefix of `hashes`, each with a new reference.

@@ -21,6 +21,7 @@
 mod block_pool;
 mod launch;
 mod lockstep;
+mod published;
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -28,6 +29,7 @@ use std::time::Instant;
 pub use block_pool::{chain_hash, BlockPool, PrefixHash};
 pub use launch::{DelayedBatching, Launch, LaunchPolicy};
 pub use lockstep::LockStep;
+pub use published::PublishedPrefixes;
 
 pub type RequestId = u64;
 
@@ -101,6 +103,8 @@ pub struct SchedulerStats {
     pub preemptions: u64,
     /// Prompt and recompute tokens served from the prefix cache instead of computed.
     pub prefix_hit_tokens: u64,
+    /// Tokens of the requests that looked up the prefix cache (the hit rate's denominator).
+    pub prefix_lookup_tokens: u64,
 }
 
 pub struct Scheduler {
@@ -110,6 +114,7 @@ pub struct Scheduler {
     next_arrival: u64,
     preemptions: u64,
     prefix_hit_tokens: u64,
+    prefix_lookup_tokens: u64,
 }
 
 impl Scheduler {
@@ -121,7 +126,13 @@ impl Scheduler {
             next_arrival: 0,
             preemptions: 0,
             prefix_hit_tokens: 0,
+            prefix_lookup_tokens: 0,
         }
+    }
+
+    /// Publishes the cached prefixes when they changed since the last publication.
+    pub fn publish_prefixes(&self, to: &PublishedPrefixes) {
+        to.publish(&self.pool);
     }
 
     /// Tokens a single request may hold here: the whole pool.
@@ -244,6 +255,7 @@ impl Scheduler {
         e.registered = e.blocks.len();
         e.computed = e.blocks.len() * self.limits.block_size;
         self.prefix_hit_tokens += e.computed as u64;
+        self.prefix_lookup_tokens += e.len as u64;
     }
 
     /// How many of `want` tokens `id` can compute, preempting lower-priority requests for
@@ -353,6 +365,7 @@ impl Scheduler {
             cached_blocks: self.pool.cached(),
             preemptions: self.preemptions,
             prefix_hit_tokens: self.prefix_hit_tokens,
+            prefix_lookup_tokens: self.prefix_lookup_tokens,
         }
     }
 

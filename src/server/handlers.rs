@@ -3,16 +3,15 @@
 use std::sync::Arc;
 
 use actix_web::http::StatusCode;
-use actix_web::web::{self, Bytes, BytesMut};
+use actix_web::web;
 use actix_web::HttpResponse;
-use futures_util::StreamExt;
 use serde_json::json;
 
 use super::choices::Choices;
 use super::error::ApiError;
 use super::respond::{Api, Responder};
 use super::schema::{parse, ChatRequest, CompletionRequest, GenerateBody};
-use super::AppState;
+use super::{read_body, AppState};
 use crate::actors::model_actor::GetStats;
 use crate::actors::{GenerateRequest, Prompt};
 use crate::model::SamplingParams;
@@ -28,25 +27,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/health_generate", web::get().to(health_generate))
         .route("/get_server_info", web::get().to(server_info))
         .route("/metrics", web::get().to(metrics))
+        .route("/cache/match", web::post().to(cache_match))
         .default_service(web::to(not_found));
-}
-
-/// Reads the body up to the configured size; larger bodies get a 413.
-async fn read_body(state: &AppState, mut payload: web::Payload) -> Result<Bytes, ApiError> {
-    let limit = state.settings.max_body_bytes;
-    let mut body = BytesMut::new();
-    while let Some(chunk) = payload.next().await {
-        let chunk =
-            chunk.map_err(|e| ApiError::invalid("body", format!("reading the body: {e}")))?;
-        if body.len() + chunk.len() > limit {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the body exceeds the limit of {limit} bytes"),
-            ));
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body.freeze())
 }
 
 /// `n` copies of a request; with a seed, copy `i` draws from `seed + i`.
@@ -89,7 +71,7 @@ fn rejected(state: &AppState) -> impl Fn(ApiError) -> ApiError + '_ {
 async fn chat(state: State, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
     let prepared = async {
-        let body = read_body(&state, payload).await?;
+        let body = read_body(payload, state.settings.max_body_bytes).await?;
         let req = ChatRequest::parse(&body)?;
         state.check_model(req.model.as_deref())?;
         let n = req.sampling.n()?;
@@ -103,7 +85,7 @@ async fn chat(state: State, payload: web::Payload) -> Result<HttpResponse, ApiEr
 async fn completions(state: State, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
     let prepared = async {
-        let body = read_body(&state, payload).await?;
+        let body = read_body(payload, state.settings.max_body_bytes).await?;
         let req = CompletionRequest::parse(&body)?;
         state.check_model(req.model.as_deref())?;
         let n = req.sampling.n()?;
@@ -120,12 +102,44 @@ async fn completions(state: State, payload: web::Payload) -> Result<HttpResponse
 async fn generate(state: State, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
     let prepared = async {
-        let body = read_body(&state, payload).await?;
+        let body = read_body(payload, state.settings.max_body_bytes).await?;
         let req: GenerateBody = parse(&body)?;
         Ok((req.to_request()?, req.stream))
     };
     let (request, stream) = prepared.await.map_err(rejected(&state))?;
     run(state, Api::Generate, vec![request], stream, false).await
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MatchQuery {
+    api: String,
+}
+
+/// How much of a request's prompt the first model holds in its prefix cache: the exact answer
+/// a gateway uses instead of guessing from text. The body is the request as it would be sent
+/// to `?api=chat` (`/v1/chat/completions`), `completion` or `generate`.
+async fn cache_match(
+    state: State,
+    query: web::Query<MatchQuery>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body = read_body(payload, state.settings.max_body_bytes).await?;
+    let request = match query.api.as_str() {
+        "chat" => ChatRequest::parse(&body)?.to_request()?,
+        "completion" => CompletionRequest::parse(&body)?.to_request()?,
+        "generate" => parse::<GenerateBody>(&body)?.to_request()?,
+        other => {
+            let message = format!("api: '{other}' is not chat, completion or generate");
+            return Err(ApiError::invalid("api", message));
+        }
+    };
+    let (prompt_tokens, cached_tokens) = state.runtime.cached_prefix(&request)?;
+    Ok(HttpResponse::Ok().json(json!({
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "block_size": state.runtime.block_size,
+    })))
 }
 
 async fn models(state: State) -> HttpResponse {

@@ -54,7 +54,7 @@ impl Metrics {
                 &["model", "state"],
             )?,
             model_totals: IntGaugeVec::new(
-                Opts::new("model_counters", "Per-model running totals (steps, preemptions, prefix_hit_tokens, handoffs_out)"),
+                Opts::new("model_counters", "Per-model running totals (steps, preemptions, prefix_hit_tokens, prefix_lookup_tokens, handoffs_out)"),
                 &["model", "counter"],
             )?,
             batch_size: prometheus::GaugeVec::new(
@@ -130,6 +130,7 @@ impl Metrics {
             total("steps", s.steps);
             total("preemptions", s.preemptions);
             total("prefix_hit_tokens", s.prefix_hit_tokens);
+            total("prefix_lookup_tokens", s.prefix_lookup_tokens);
             total("handoffs_out", s.handoffs_out);
             let mean = s.batched_requests as f64 / s.steps.max(1) as f64;
             self.batch_size.with_label_values(&[name]).set(mean);

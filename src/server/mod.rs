@@ -18,7 +18,9 @@ use std::time::Duration;
 use actix_web::body::{BoxBody, EitherBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::middleware::{from_fn, Next};
+use actix_web::web::{Bytes, BytesMut};
 use actix_web::{web, App, HttpServer};
+use futures_util::StreamExt;
 
 use crate::actors::runtime::{KvShare, RuntimeShared};
 use crate::actors::{load_models, Runtime};
@@ -94,6 +96,23 @@ impl AppState {
             _ => Ok(()),
         }
     }
+}
+
+/// Reads a body up to `limit` bytes; larger bodies get a 413.
+pub async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes, ApiError> {
+    let mut body = BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk =
+            chunk.map_err(|e| ApiError::invalid("body", format!("reading the body: {e}")))?;
+        if body.len() + chunk.len() > limit {
+            return Err(ApiError::new(
+                actix_web::http::StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body exceeds the limit of {limit} bytes"),
+            ));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
 }
 
 /// Loads the models, starts the actors, then serves HTTP until SIGINT/SIGTERM.

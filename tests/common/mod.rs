@@ -2,6 +2,7 @@
 //! step by step, and comparing greedy decoding against a reference implementation.
 #![allow(dead_code)]
 
+pub mod mock_worker;
 pub mod oracle;
 pub mod server;
 

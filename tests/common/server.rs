@@ -52,7 +52,7 @@ pub fn tiny_pair_config(extra: &str) -> tempfile::TempDir {
     dir
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -68,32 +68,61 @@ impl TestServer {
 
     pub fn start_with_env(extra_config: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let dir = tiny_pair_config(extra_config);
+        let config = dir.path().join("config.toml");
+        let mut all = vec!["serve", "--config", config.to_str().unwrap()];
+        all.extend_from_slice(args);
+        Self::launch(&all, env, dir, &[200])
+    }
+
+    /// `tokenrouter gateway` over `workers`; ready once `/health` answers at all (a gateway
+    /// with no healthy worker says 503).
+    pub fn gateway(workers: &[&str], args: &[&str]) -> Self {
+        let mut all = vec!["gateway", "--worker-urls"];
+        all.extend_from_slice(workers);
+        all.extend_from_slice(args);
+        Self::launch(&all, &[], tempfile::tempdir().unwrap(), &[200, 503])
+    }
+
+    /// Runs the binary with `args` plus `--port` and waits for `/health` to give one of `ready`.
+    pub fn launch(
+        args: &[&str],
+        env: &[(&str, &str)],
+        dir: tempfile::TempDir,
+        ready: &[u16],
+    ) -> Self {
         let port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
             .envs(env.iter().copied())
-            .arg("serve")
-            .arg("--config")
-            .arg(dir.path().join("config.toml"))
-            .args(["--port", &port.to_string()])
             .args(args)
+            .args(["--port", &port.to_string()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let server = Self {
+        let mut server = Self {
             port,
             child,
             _dir: dir,
         };
         let started = Instant::now();
-        while request(port, "GET", "/health", None, &[]).map(|r| r.status) != Some(200) {
+        loop {
+            let status = request(port, "GET", "/health", None, &[]).map(|r| r.status);
+            if status.is_some_and(|s| ready.contains(&s)) {
+                return server;
+            }
+            if let Some(exit) = server.child.try_wait().unwrap() {
+                panic!("tokenrouter {args:?} exited early: {exit}");
+            }
             assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "the server did not come up"
+                started.elapsed() < Duration::from_secs(120),
+                "tokenrouter {args:?} did not come up"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
     }
 
     pub fn post(&self, path: &str, body: &str) -> Response {

@@ -69,6 +69,7 @@ impl Runtime {
             .iter()
             .map(|_| Arc::new(AtomicBool::new(true)))
             .collect();
+        let prefixes: Vec<Arc<PublishedPrefixes>> = models.iter().map(|_| Arc::default()).collect();
         for (index, (entry, model)) in config.models.iter().zip(&models).enumerate() {
             let stepping = match s.mode {
                 SchedulingMode::Sync => Stepping::Sync,
@@ -94,6 +95,7 @@ impl Runtime {
                 },
                 stepping,
                 healthy: health[index].clone(),
+                prefixes: prefixes[index].clone(),
                 online: profile
                     .clone()
                     .map(|p| OnlineThresholds::new(p, config.role_index(Role::Slm) == Some(index))),
@@ -132,6 +134,8 @@ impl Runtime {
             router,
             max_context,
             health,
+            prefixes,
+            block_size,
             next_id: AtomicU64::new(1),
         };
         Ok(Self {

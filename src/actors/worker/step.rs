@@ -24,6 +24,7 @@ impl ModelWorker {
                 Ok(logits) => self.after_forward(&plan, &logits, now),
                 Err(message) => self.fail_plan(&plan, &message),
             }
+            self.sched.publish_prefixes(&self.prefixes);
         }
         if self.stepping == Stepping::Sync {
             let round = self.lockstep.finish_round();

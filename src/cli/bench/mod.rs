@@ -1,7 +1,9 @@
 //! `tokenrouter bench`: a serving benchmark client, like SGLang's `bench_serving`. Closed-loop
 //! clients at each concurrency send generated, seeded workloads over the OpenAI streaming API
 //! and measure throughput, TTFT, inter-token and end-to-end latency, and the LLM's token share.
-//! `--compare-modes` starts `tokenrouter serve` in each scheduling mode in turn.
+//! `--compare-modes` starts `tokenrouter serve` in each scheduling mode in turn;
+//! `--compare-policies` starts `serve --dp-size N` (a gateway over N servers) with each
+//! gateway policy in turn. Each level also reports the servers' own prefix-cache hit rate.
 
 mod client;
 mod report;
@@ -19,7 +21,8 @@ use workload::{chat_body, Workload};
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Server to measure (ignored with --compare-modes, which starts its own).
+    /// Server to measure (ignored with --compare-modes or --compare-policies, which start
+    /// their own).
     #[arg(
         long,
         env = "TOKENROUTER_URL",
@@ -55,6 +58,18 @@ pub struct BenchArgs {
     config: PathBuf,
     #[arg(long, value_delimiter = ',', default_value = "sync,eager,delayed")]
     modes: Vec<String>,
+    /// Start `tokenrouter serve --config CONFIG --dp-size N` with each of --policies in turn.
+    #[arg(long, conflicts_with = "compare_modes")]
+    compare_policies: bool,
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "cache_aware,round_robin,shortest_queue"
+    )]
+    policies: Vec<String>,
+    /// Servers behind the gateway with --compare-policies.
+    #[arg(long, default_value_t = 2)]
+    dp_size: usize,
     #[arg(long, default_value_t = 30111)]
     port: u16,
     #[arg(long, env = "TOKENROUTER_API_KEY")]
@@ -72,16 +87,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
         let client = builder.finish();
         let mut results = Vec::new();
-        if !args.compare_modes {
+        let runs = args.runs();
+        if runs.is_empty() {
             results.extend(run_levels(&client, &args.url, &args, "server").await?);
             return anyhow::Ok(results);
         }
-        for mode in &args.modes {
-            let mut server = start_server(&args, mode)?;
+        for (label, serve_args) in &runs {
+            let mut server = start_server(&args, label, serve_args)?;
             let url = format!("http://127.0.0.1:{}", args.port);
             let outcome = async {
                 wait_healthy(&client, &url, &mut server).await?;
-                run_levels(&client, &url, &args, mode).await
+                run_levels(&client, &url, &args, label).await
             }
             .await;
             stop_server(server);
@@ -101,6 +117,61 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+impl BenchArgs {
+    /// The servers to start in turn (label, extra `serve` flags); none to measure --url.
+    fn runs(&self) -> Vec<(String, Vec<String>)> {
+        if self.compare_modes {
+            let runs = self
+                .modes
+                .iter()
+                .map(|m| (m.clone(), vec!["--mode".into(), m.clone()]));
+            return runs.collect();
+        }
+        if self.compare_policies {
+            let dp = self.dp_size.to_string();
+            let runs = self.policies.iter().map(|p| {
+                let flags = ["--dp-size", &dp, "--policy", p].map(String::from);
+                (p.clone(), flags.to_vec())
+            });
+            return runs.collect();
+        }
+        Vec::new()
+    }
+}
+
+/// Prefix-cache (hit, looked-up) tokens summed over the servers behind `url`: the gateway's
+/// workers when `url` is a gateway, else the server itself.
+async fn prefix_counters(client: &awc::Client, url: &str) -> Option<(f64, f64)> {
+    let mut servers = vec![url.to_string()];
+    if let Ok(mut r) = client.get(format!("{url}/workers")).send().await {
+        if r.status().is_success() {
+            let list: serde_json::Value = r.json().await.ok()?;
+            servers = list["workers"]
+                .as_array()?
+                .iter()
+                .filter_map(|w| Some(w["url"].as_str()?.to_string()))
+                .collect();
+        }
+    }
+    let (mut hit, mut looked_up) = (0.0, 0.0);
+    for server in servers {
+        let mut r = client.get(format!("{server}/metrics")).send().await.ok()?;
+        let text = String::from_utf8_lossy(&r.body().limit(1 << 24).await.ok()?).to_string();
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with("tokenrouter_model_counters{"))
+        {
+            let value: f64 = line.rsplit(' ').next()?.parse().ok()?;
+            if line.contains("counter=\"prefix_hit_tokens\"") {
+                hit += value;
+            } else if line.contains("counter=\"prefix_lookup_tokens\"") {
+                looked_up += value;
+            }
+        }
+    }
+    Some((hit, looked_up))
+}
+
 /// Every concurrency level against one server.
 async fn run_levels(
     client: &awc::Client,
@@ -111,15 +182,19 @@ async fn run_levels(
     let mut results = Vec::new();
     for &c in &args.concurrency {
         let sessions = args.num_requests.unwrap_or(2 * c).max(1);
+        let before = prefix_counters(client, url).await;
         let started = Instant::now();
         let (samples, failed) = run_level(client, url, args, c, sessions).await;
-        let r = report::summarize(
+        let mut r = report::summarize(
             mode,
             c,
             &samples,
             failed.len(),
             started.elapsed().as_secs_f64(),
         );
+        if let (Some(b), Some(a)) = (before, prefix_counters(client, url).await) {
+            r.prefix_hit_rate = Some((a.0 - b.0) / (a.1 - b.1).max(1.0));
+        }
         eprintln!(
             "\r{mode} c={c}: {:.1} output tok/s, {} requests, {} failed{}",
             r.output_tok_s,
@@ -201,21 +276,13 @@ fn progress(done: usize, total: usize) {
     );
 }
 
-fn start_server(args: &BenchArgs, mode: &str) -> anyhow::Result<Child> {
+fn start_server(args: &BenchArgs, label: &str, serve_args: &[String]) -> anyhow::Result<Child> {
     let exe = std::env::current_exe()?;
-    eprintln!(
-        "starting tokenrouter serve in mode {mode} on port {}",
-        args.port
-    );
+    eprintln!("starting tokenrouter serve ({label}) on port {}", args.port);
     Ok(Command::new(exe)
-        .args([
-            "serve",
-            "--mode",
-            mode,
-            "--port",
-            &args.port.to_string(),
-            "--config",
-        ])
+        .arg("serve")
+        .args(serve_args)
+        .args(["--port", &args.port.to_string(), "--config"])
         .arg(&args.config)
         .stdout(Stdio::null())
         .spawn()?)

@@ -46,6 +46,8 @@ pub struct LevelResult {
     pub inter_token_s: Percentiles,
     pub e2e_s: Percentiles,
     pub llm_token_share: f64,
+    /// The servers' own prefix-cache hit rate over this level (hit ÷ looked-up tokens).
+    pub prefix_hit_rate: Option<f64>,
     /// Every request's end-to-end seconds (for the CDF plot).
     pub e2e_samples: Vec<f64>,
 }
@@ -81,6 +83,7 @@ pub fn summarize(
         inter_token_s: Percentiles::of(&gaps),
         e2e_s: Percentiles::of(&e2e),
         llm_token_share: samples.iter().fold(0.0, |a, s| a + s.llm_tokens) / output.max(1) as f64,
+        prefix_hit_rate: None,
         e2e_samples: e2e,
     }
 }
@@ -100,7 +103,7 @@ pub fn table(results: &[LevelResult]) -> String {
             .map(|r| r.output_tok_s)
     };
     let mut out = format!(
-        "| mode | concurrency | requests | output tok/s | vs {base_mode} | total tok/s | per-user tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 s | LLM share |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| mode | concurrency | requests | output tok/s | vs {base_mode} | total tok/s | per-user tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 s | LLM share | prefix hit |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     );
     for r in results {
         let ms =
@@ -109,11 +112,12 @@ pub fn table(results: &[LevelResult]) -> String {
             format!("{:.2}×", r.output_tok_s / b.max(1e-9))
         });
         out.push_str(&format!(
-            "| {} | {} | {}{} | {:.1} | {ratio} | {:.1} | {:.2} | {} | {} | {:.1}/{:.1}/{:.1} | {:.0}% |\n",
+            "| {} | {} | {}{} | {:.1} | {ratio} | {:.1} | {:.2} | {} | {} | {:.1}/{:.1}/{:.1} | {:.0}% | {} |\n",
             r.mode, r.concurrency, r.requests,
             if r.failed > 0 { format!(" ({} failed)", r.failed) } else { String::new() },
             r.output_tok_s, r.total_tok_s, r.per_user_tok_s, ms(&r.ttft_s), ms(&r.inter_token_s),
             r.e2e_s.p50, r.e2e_s.p90, r.e2e_s.p99, r.llm_token_share * 100.0,
+            r.prefix_hit_rate.map_or("–".into(), |h| format!("{:.0}%", h * 100.0)),
         ));
     }
     out

@@ -1,0 +1,158 @@
+//! The gateway: one HTTP front for many tokenrouter servers (data parallelism).
+//!
+//! It serves the same API as a server (OpenAI and `/generate`, streaming passed through) and
+//! sends each request to one worker chosen by a [`policy`]; the default is cache-aware, which
+//! follows an approximate radix [`tree`] of the text each worker has seen. Around the choice:
+//! periodic health checks, per-worker circuit breakers, retries with backoff on another
+//! worker, a bounded queue when every worker is saturated, runtime `POST`/`DELETE /workers`,
+//! and Prometheus metrics. Knows nothing of models or tensors; talks to workers only over HTTP.
+
+mod handlers;
+mod metrics;
+pub mod policy;
+pub mod proxy;
+pub mod request_text;
+pub mod tree;
+pub mod workers;
+
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::{web, App, HttpServer};
+
+use metrics::GatewayMetrics;
+use policy::{CacheAwareSettings, Policy, PolicyKind};
+pub use proxy::{QueueSettings, RetrySettings};
+use workers::{HealthPolicy, WorkerSet};
+
+/// Everything `tokenrouter gateway` is told.
+#[derive(Debug, Clone)]
+pub struct GatewaySettings {
+    pub host: String,
+    pub port: u16,
+    pub worker_urls: Vec<String>,
+    pub policy: PolicyKind,
+    pub cache: CacheAwareSettings,
+    /// How often the prefix tree is trimmed to `max_tree_size`.
+    pub eviction_interval: Duration,
+    pub health: HealthPolicy,
+    pub health_check_interval: Duration,
+    pub health_check_timeout: Duration,
+    pub retry: RetrySettings,
+    pub queue: QueueSettings,
+    pub max_body_bytes: usize,
+    /// HTTP worker threads.
+    pub threads: usize,
+    /// Seed of the random policies.
+    pub seed: u64,
+}
+
+/// What every handler shares.
+pub struct GatewayState {
+    pub workers: WorkerSet,
+    pub policy: Arc<dyn Policy>,
+    metrics: GatewayMetrics,
+    queue_settings: QueueSettings,
+    retry_settings: RetrySettings,
+    queued: AtomicUsize,
+    max_body_bytes: usize,
+    health_check_timeout: Duration,
+}
+
+impl GatewayState {
+    pub fn new(settings: &GatewaySettings) -> anyhow::Result<Self> {
+        Ok(Self {
+            workers: WorkerSet::new(settings.health.clone()),
+            policy: policy::build(settings.policy, settings.cache.clone(), settings.seed),
+            metrics: GatewayMetrics::new()?,
+            queue_settings: settings.queue.clone(),
+            retry_settings: settings.retry.clone(),
+            queued: AtomicUsize::new(0),
+            max_body_bytes: settings.max_body_bytes,
+            health_check_timeout: settings.health_check_timeout,
+        })
+    }
+
+    /// Forgets a worker: out of the list and out of the policy's state.
+    pub fn remove_worker(&self, url: &str) -> bool {
+        match self.workers.remove(url) {
+            Some(worker) => {
+                self.policy.remove_worker(worker.id);
+                tracing::info!(worker = %worker.url, "worker removed");
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+fn client(timeout: Duration) -> awc::Client {
+    awc::Client::builder()
+        .connector(awc::Connector::new().timeout(Duration::from_secs(5)))
+        .timeout(timeout)
+        .finish()
+}
+
+/// Health checks every worker, forever.
+async fn check_health(state: Arc<GatewayState>, every: Duration) {
+    let client = client(state.health_check_timeout);
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        for worker in state.workers.all() {
+            let ok = proxy::probe(&client, &worker.url, state.health_check_timeout).await;
+            worker.record_check(ok, &state.workers.policy);
+        }
+    }
+}
+
+/// Trims the policy's state (the prefix tree) forever.
+async fn maintain(state: Arc<GatewayState>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let policy = state.policy.clone();
+        if let Ok(Some(done)) = web::block(move || policy.maintain()).await {
+            tracing::info!("{done}");
+        }
+    }
+}
+
+/// Checks the workers once, then serves until SIGINT/SIGTERM.
+pub fn run(settings: GatewaySettings) -> anyhow::Result<()> {
+    actix_web::rt::System::new().block_on(async move {
+        let state = Arc::new(GatewayState::new(&settings)?);
+        let probe_client = client(settings.health_check_timeout);
+        for url in &settings.worker_urls {
+            let healthy = proxy::probe(&probe_client, url.trim_end_matches('/'), settings.health_check_timeout).await;
+            if !healthy {
+                tracing::warn!(worker = %url, "worker not healthy yet; it joins when its checks pass");
+            }
+            state.workers.add(url, healthy);
+        }
+        actix_web::rt::spawn(check_health(state.clone(), settings.health_check_interval));
+        actix_web::rt::spawn(maintain(state.clone(), settings.eviction_interval));
+        let data = web::Data::from(state);
+        let timeout = settings.retry.request_timeout;
+        let server = HttpServer::new(move || {
+            App::new()
+                .app_data(data.clone())
+                .app_data(web::Data::new(client(timeout)))
+                .configure(handlers::routes)
+        })
+        .workers(settings.threads)
+        .bind((settings.host.as_str(), settings.port))
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}:{}: {e}", settings.host, settings.port))?;
+        eprintln!(
+            "tokenrouter gateway on http://{}:{} ({} workers, policy {})",
+            settings.host,
+            settings.port,
+            settings.worker_urls.len(),
+            settings.policy.name()
+        );
+        server.run().await?;
+        anyhow::Ok(())
+    })
+}

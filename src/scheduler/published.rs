@@ -1,0 +1,93 @@
+//! The prefixes a model holds in its KV cache, published by the model's actor after the steps
+//! that change them, so that readers on other threads (the HTTP server answering a gateway's
+//! "how much of this prompt do you hold?") never wait for a forward pass. Readers see the set
+//! as of the last publication: exact up to one step.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use super::block_pool::{chain_hash, BlockPool, PrefixHash};
+
+#[derive(Default)]
+pub struct PublishedPrefixes {
+    set: RwLock<Arc<HashSet<PrefixHash>>>,
+    /// Pool generation of the published set (0 before the first publication).
+    generation: AtomicU64,
+}
+
+impl PublishedPrefixes {
+    /// Replaces the set when the pool changed since the last publication.
+    pub fn publish(&self, pool: &BlockPool) {
+        if self.generation.load(Ordering::Acquire) == pool.generation() {
+            return;
+        }
+        let set = Arc::new(pool.indexed().collect::<HashSet<_>>());
+        *self.set.write().unwrap_or_else(|e| e.into_inner()) = set;
+        self.generation.store(pool.generation(), Ordering::Release);
+    }
+
+    /// Tokens of `prompt` a new request would find cached: whole leading blocks, leaving at
+    /// least one token to compute (the scheduler's rule).
+    pub fn cached_tokens(&self, prompt: &[u32], block_size: usize) -> usize {
+        if prompt.is_empty() || block_size == 0 {
+            return 0;
+        }
+        let set = self.set.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let usable = (prompt.len() - 1) / block_size;
+        let mut parent = None;
+        let mut blocks = 0;
+        for block in prompt.chunks_exact(block_size).take(usable) {
+            let hash = chain_hash(parent, block);
+            if !set.contains(&hash) {
+                break;
+            }
+            parent = Some(hash);
+            blocks += 1;
+        }
+        blocks * block_size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cached_tokens_are_the_leading_indexed_blocks() {
+        let mut pool = BlockPool::new(4);
+        let prompt: Vec<u32> = (0..10).collect();
+        let h1 = chain_hash(None, &prompt[0..4]);
+        let h2 = chain_hash(Some(h1), &prompt[4..8]);
+        let published = PublishedPrefixes::default();
+        assert_eq!(published.cached_tokens(&prompt, 4), 0);
+        let a = pool.allocate().unwrap();
+        pool.register(a, h1);
+        published.publish(&pool);
+        assert_eq!(published.cached_tokens(&prompt, 4), 4);
+        let b = pool.allocate().unwrap();
+        pool.register(b, h2);
+        published.publish(&pool);
+        assert_eq!(published.cached_tokens(&prompt, 4), 8);
+        // One token must stay to compute: an 8-token prompt can reuse only its first block.
+        assert_eq!(published.cached_tokens(&prompt[..8], 4), 4);
+        // A prompt that differs in the first block shares nothing.
+        let other: Vec<u32> = (1..11).collect();
+        assert_eq!(published.cached_tokens(&other, 4), 0);
+    }
+
+    #[test]
+    fn evicted_prefixes_disappear_on_the_next_publication() {
+        let mut pool = BlockPool::new(1);
+        let prompt = [1, 2, 3];
+        let id = pool.allocate().unwrap();
+        pool.register(id, chain_hash(None, &prompt[..2]));
+        let published = PublishedPrefixes::default();
+        published.publish(&pool);
+        assert_eq!(published.cached_tokens(&prompt, 2), 2);
+        pool.release(id);
+        let _reused = pool.allocate().unwrap();
+        published.publish(&pool);
+        assert_eq!(published.cached_tokens(&prompt, 2), 0);
+    }
+}
