@@ -12,9 +12,11 @@
 //!   the runtime that wires them from the config.
 //!
 //! * [`server`]: the HTTP API (OpenAI and SGLang schemas, SSE, errors, metrics).
+//! * [`tuning`]: the throughput model of delayed batching and its threshold optimizer.
+//! * [`gateway`]: the cache-aware router in front of many servers; talks to them only over
+//!   HTTP.
 //!
-//! [`config`] reads `config.toml`. See `ARCHITECTURE.md` in the shared design folder for the
-//! layers still to come (tuning, gateway).
+//! [`config`] reads `config.toml`.
 
 pub mod actors;
 pub mod config;

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use report::LevelResult;
-use workload::{chat_body, Workload};
+use workload::{chat_body, PrefixShape, Workload};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -42,9 +42,12 @@ pub struct BenchArgs {
     max_tokens: Option<usize>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Words in each shared system prompt of the shared-prefix workload (four groups).
+    /// Words in each shared system prompt of the shared-prefix workload.
     #[arg(long, default_value_t = 400)]
     prefix_words: usize,
+    /// System prompts (groups) of the shared-prefix workload.
+    #[arg(long, default_value_t = 4)]
+    prefix_groups: usize,
     /// Write every level's results here as JSON.
     #[arg(long)]
     output: Option<PathBuf>,
@@ -61,6 +64,7 @@ pub struct BenchArgs {
     /// Start `tokenrouter serve --config CONFIG --dp-size N` with each of --policies in turn.
     #[arg(long, conflicts_with = "compare_modes")]
     compare_policies: bool,
+    /// Gateway policies to compare; `cache_aware+exact` adds --exact-prefix-match.
     #[arg(
         long,
         value_delimiter = ',',
@@ -129,9 +133,19 @@ impl BenchArgs {
         }
         if self.compare_policies {
             let dp = self.dp_size.to_string();
+            // `cache_aware+exact` is cache-aware routing on the servers' exact reports.
             let runs = self.policies.iter().map(|p| {
-                let flags = ["--dp-size", &dp, "--policy", p].map(String::from);
-                (p.clone(), flags.to_vec())
+                let (policy, exact) = match p.strip_suffix("+exact") {
+                    Some(policy) => (policy, true),
+                    None => (p.as_str(), false),
+                };
+                let mut flags = ["--dp-size", &dp, "--policy", policy]
+                    .map(String::from)
+                    .to_vec();
+                if exact {
+                    flags.push("--exact-prefix-match".into());
+                }
+                (p.clone(), flags)
             });
             return runs.collect();
         }
@@ -231,13 +245,16 @@ async fn run_level(
                 done.clone(),
                 out.clone(),
             );
-            let (workload, seed, max_tokens, words) =
-                (args.workload, args.seed, args.max_tokens, args.prefix_words);
+            let (workload, seed, max_tokens) = (args.workload, args.seed, args.max_tokens);
+            let prefix = PrefixShape {
+                words: args.prefix_words,
+                groups: args.prefix_groups,
+            };
             actix_web::rt::spawn(async move {
                 while next.get() < sessions {
                     let i = next.get();
                     next.set(i + 1);
-                    let session = workload.session(i, seed, max_tokens, words);
+                    let session = workload.session(i, seed, max_tokens, prefix);
                     let mut replies = Vec::new();
                     for turn in 0..session.turns.len() {
                         let body = chat_body(&session, turn, &replies);

@@ -12,8 +12,17 @@ pub enum Workload {
     Long,
     /// Multi-turn agentic sessions: each turn resends the growing conversation.
     Agentic,
-    /// Groups of requests sharing a long system prompt.
+    /// Groups of requests sharing a long system prompt; each session draws its group at
+    /// random (seeded), so groups arrive interleaved as real traffic does.
     SharedPrefix,
+}
+
+/// The shared system prompts of the shared-prefix workload.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefixShape {
+    /// Words in each group's system prompt.
+    pub words: usize,
+    pub groups: usize,
 }
 
 const TOPICS: &[&str] = &[
@@ -49,16 +58,16 @@ pub struct Session {
 
 impl Workload {
     /// Session `i` of this workload; the same seed and index give the same session.
-    /// `prefix_words` sizes the shared system prompt of `SharedPrefix`.
     pub fn session(
         self,
         i: usize,
         seed: u64,
         max_tokens: Option<usize>,
-        prefix_words: usize,
+        prefix: PrefixShape,
     ) -> Session {
         let mut rng =
             ChaCha8Rng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let group = rng.random_range(0..prefix.groups.max(1));
         let mut question = || {
             let topic = TOPICS[rng.random_range(0..TOPICS.len())];
             let lang = LANGUAGES[rng.random_range(0..LANGUAGES.len())];
@@ -85,7 +94,7 @@ impl Workload {
                 max_tokens: max_tokens.unwrap_or(64),
             },
             Self::SharedPrefix => Session {
-                system: Some(system_prompt(i % 4, seed, prefix_words)),
+                system: Some(system_prompt(group, seed, prefix.words)),
                 turns: vec![question()],
                 max_tokens: max_tokens.unwrap_or(32),
             },
