@@ -4,49 +4,13 @@
 
 mod common;
 
-use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::quantized::GgmlDType;
 use candle_core::Device;
-use common::oracle::{greedy_entropies, quantile, routed_greedy, OracleToken, Rule};
-use tokenrouter::actors::{GenerateRequest, Prompt, RequestEvent, RequestHandle, Runtime};
-use tokenrouter::config::Config;
-use tokenrouter::model::tiny::write_gguf;
+use common::oracle::{greedy_entropies, quantile, routed_greedy, Rule};
+use common::runtime::{collect, config, greedy, prompts, tiny_pair, with_runtime, Pair};
+use tokenrouter::actors::{GenerateRequest, Prompt, RequestEvent, Runtime};
 use tokenrouter::model::{LoadedModel, SamplingParams};
-
-struct Pair {
-    dir: tempfile::TempDir,
-    models: Vec<Arc<LoadedModel>>,
-}
-
-fn tiny_pair() -> Pair {
-    let dir = tempfile::tempdir().unwrap();
-    let mut models = Vec::new();
-    for (name, spec) in common::server::tiny_pair_specs() {
-        let path = dir.path().join(format!("{name}.gguf"));
-        write_gguf(&spec, &path, &[GgmlDType::Q8_0, GgmlDType::Q4_0]).unwrap();
-        models.push(Arc::new(LoadedModel::load(&path, &Device::Cpu).unwrap()));
-    }
-    Pair { dir, models }
-}
-
-fn config(dir: &Path, rest: &str) -> Config {
-    let path = dir.join("config.toml");
-    let text = format!(
-        "[[models]]\nname = \"slm\"\npath = \"slm.gguf\"\nbatch_threshold = 3\n\
-         [[models]]\nname = \"llm\"\npath = \"llm.gguf\"\nbatch_threshold = 2\n\
-         [kv_cache]\nblock_size = 4\n{rest}"
-    );
-    std::fs::write(&path, text).unwrap();
-    Config::load(&path).unwrap()
-}
-
-fn prompts() -> Vec<Vec<u32>> {
-    (0..5u32)
-        .map(|k| (0..3 + 5 * k).map(|i| (i * 31 + k * 17) % 250).collect())
-        .collect()
-}
 
 /// Thresholds inside the models' own entropy ranges, so that routing really happens.
 fn rules(pair: &Pair) -> [(Rule, String); 2] {
@@ -67,62 +31,6 @@ fn rules(pair: &Pair) -> [(Rule, String); 2] {
             format!("[routing]\nalgorithm = \"r-stitch\"\nhigh = {high}\nlow = {low}\n"),
         ),
     ]
-}
-
-#[derive(Debug, Default)]
-struct Outcome {
-    tokens: Vec<OracleToken>,
-    text: String,
-    terminals: Vec<RequestEvent>,
-}
-
-async fn collect(mut handle: RequestHandle, cancel_after: Option<usize>) -> Outcome {
-    let mut out = Outcome::default();
-    while let Some(event) = handle.events.recv().await {
-        match &event {
-            RequestEvent::Text { text, tokens } => {
-                out.text.push_str(text);
-                out.tokens.extend(
-                    tokens
-                        .iter()
-                        .map(|&(token, model)| OracleToken { token, model }),
-                );
-                if cancel_after.is_some_and(|n| out.tokens.len() >= n) {
-                    handle.cancel();
-                }
-            }
-            e if e.is_terminal() => out.terminals.push(event),
-            _ => {}
-        }
-    }
-    out
-}
-
-fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
-    GenerateRequest::new(
-        Prompt::Tokens(prompt.to_vec()),
-        SamplingParams::greedy(),
-        max_tokens,
-    )
-}
-
-/// Runs `body` inside an actix system with a runtime over `pair`'s models.
-fn with_runtime<T>(config: &Config, pair: &Pair, body: impl AsyncFnOnce(&Runtime) -> T) -> T {
-    actix::System::new().block_on(async {
-        let runtime = Runtime::start(config, pair.models.clone()).unwrap();
-        let out = body(&runtime).await;
-        let stats = runtime.stats().await;
-        for s in &stats {
-            assert_eq!(
-                s.free_blocks, s.total_blocks,
-                "{} leaked blocks: {s:?}",
-                s.name
-            );
-            assert_eq!(s.requests, 0, "{} still holds requests: {s:?}", s.name);
-        }
-        runtime.stop();
-        out
-    })
 }
 
 #[test]

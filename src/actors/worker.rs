@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::messages::{Handoff, PeerBody, PeerMessage, RequestMeta, TokenEvent};
-use crate::kernels::routing_features::entropy_rows;
+use crate::kernels::routing_features::{entropy_rows, top_logits_rows};
 use crate::model::runner::FinishReason;
 use crate::model::{KvCache, LoadedModel, Sampler, SeqInput};
 use crate::routing::{

@@ -1,6 +1,7 @@
 //! Routing features computed once per batch over the logits: the entropy of each row's
-//! softmax, in nats. Rows are spread over the shared thread pool; each row is read twice (max,
-//! then the exponential sums) and nothing is allocated.
+//! softmax, in nats, and each row's largest logits in descending order. Rows are spread over
+//! the shared thread pool; entropy reads a row twice (max, then the exponential sums), top-k
+//! once through a small sorted buffer; neither allocates per row.
 
 use super::parallel::{for_each_range, DisjointOut};
 
@@ -20,6 +21,51 @@ pub fn entropy_rows(logits: &[f32], vocab: usize, rows: &[usize], out: &mut [f32
             unsafe { dst.slice(k, 1)[0] = h };
         }
     });
+}
+
+/// `out[k*top..(k+1)*top]` = the `top` largest logits of row `rows[k]`, largest first (rows
+/// narrower than `top` are padded with their minimum).
+pub fn top_logits_rows(logits: &[f32], vocab: usize, rows: &[usize], top: usize, out: &mut [f32]) {
+    assert!(
+        vocab > 0 && top > 0 && rows.len() * top == out.len(),
+        "top values per row"
+    );
+    assert!(
+        rows.iter().all(|&r| (r + 1) * vocab <= logits.len()),
+        "rows lie inside the [_, vocab] logits"
+    );
+    let dst = DisjointOut::new(out);
+    for_each_range(rows.len(), |ks| {
+        for k in ks {
+            let r = rows[k];
+            // SAFETY: each output range is handed to exactly one task.
+            let best = unsafe { dst.slice(k * top, top) };
+            row_top(&logits[r * vocab..(r + 1) * vocab], best);
+        }
+    });
+}
+
+/// Keeps `best` sorted descending while scanning; a value enters only when it beats the
+/// current smallest kept one, so a row costs ~one comparison per element.
+fn row_top(row: &[f32], best: &mut [f32]) {
+    let top = best.len();
+    let mut kept = 0;
+    for &x in row {
+        if kept == top && x <= best[top - 1] {
+            continue;
+        }
+        let mut i = kept.min(top - 1);
+        if kept < top {
+            kept += 1;
+        }
+        while i > 0 && best[i - 1] < x {
+            best[i] = best[i - 1];
+            i -= 1;
+        }
+        best[i] = x;
+    }
+    let floor = if kept > 0 { best[kept - 1] } else { 0.0 };
+    best[kept..].fill(floor);
 }
 
 /// H = ln Z − Σ p·(x − m), with Z = Σ exp(x − m) and m the row maximum.
@@ -68,6 +114,27 @@ mod tests {
             let want = reference(&logits[r * vocab..(r + 1) * vocab]);
             assert!((h - want).abs() < 1e-4, "row {r}: {h} vs {want}");
         }
+    }
+
+    #[test]
+    fn top_logits_are_the_largest_in_order() {
+        let vocab = 211;
+        let logits: Vec<f32> = (0..3 * vocab)
+            .map(|i| ((i * 7919 % 1009) as f32 / 7.0) - 50.0)
+            .collect();
+        let rows = [2, 0];
+        let top = 10;
+        let mut out = vec![0.0; rows.len() * top];
+        top_logits_rows(&logits, vocab, &rows, top, &mut out);
+        for (k, &r) in rows.iter().enumerate() {
+            let mut want = logits[r * vocab..(r + 1) * vocab].to_vec();
+            want.sort_by(|a, b| b.total_cmp(a));
+            assert_eq!(&out[k * top..(k + 1) * top], &want[..top], "row {r}");
+        }
+        // A row narrower than `top` is padded with its minimum.
+        let mut out = vec![0.0; 5];
+        top_logits_rows(&[1.0, 3.0, 2.0], 3, &[0], 5, &mut out);
+        assert_eq!(out, [3.0, 2.0, 1.0, 1.0, 1.0]);
     }
 
     #[test]

@@ -199,6 +199,16 @@ impl Model {
         self.streamed_bytes
     }
 
+    /// Input embeddings of `tokens`, `[tokens, hidden]` row-major.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids = Tensor::from_slice(tokens, tokens.len(), &self.device)?;
+        let rows = self.embed.rows(&ids)?.to_dtype(DType::F32)?;
+        Ok(rows.flatten_all()?.to_vec1::<f32>()?)
+    }
+
     /// Runs every sequence's new tokens and returns their last-position logits.
     pub fn forward(
         &self,

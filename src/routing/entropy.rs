@@ -30,7 +30,10 @@ mod tests {
         let algo = entropy_threshold(Pair { slm: 0, llm: 1 }, 1.0);
         let mut out = Vec::new();
         let entropy = [0.5, 1.5];
-        let features = BatchFeatures { entropy: &entropy };
+        let features = BatchFeatures {
+            entropy: &entropy,
+            ..Default::default()
+        };
         algo.route(0, &features, &[view(0), view(0)], &mut out);
         assert_eq!(out, [Route::Stay, Route::Move(1)]);
         assert!(!algo.send(0, 1, &view(0)).keep_token);

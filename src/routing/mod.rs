@@ -10,13 +10,24 @@
 //!
 //! Algorithms know nothing of actors, KV blocks or HTTP; they see plain numbers.
 
+mod citer;
+mod co_llm;
 mod entropy;
+pub mod head;
+mod learned;
+mod query_level;
+mod r2r;
 mod rstitch;
 mod single;
 
 use std::sync::Arc;
 
+pub use citer::citer;
+pub use co_llm::co_llm;
 pub use entropy::entropy_threshold;
+pub use learned::LearnedDeferral;
+pub use query_level::QueryLevel;
+pub use r2r::r2r;
 pub use rstitch::RStitch;
 pub use single::SingleModel;
 
@@ -36,14 +47,26 @@ pub struct Pair {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FeatureNeeds {
     pub entropy: bool,
+    /// The model's final normalised hidden state at the sampled position.
+    pub hidden: bool,
+    /// The input embedding of the token just sampled.
+    pub token_embedding: bool,
+    /// How many of the largest logits (0: none).
+    pub top_logits: usize,
 }
 
-/// Features of one batch, row `i` for the batch's `i`-th routed request; a feature the
-/// algorithm did not ask for is empty.
+/// Features of one batch, row `i` for the batch's `i`-th routed request (row-major for the
+/// vector features); a feature the algorithm did not ask for is empty.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BatchFeatures<'a> {
     /// Entropy of the next-token distribution (softmax of the raw logits), in nats.
     pub entropy: &'a [f32],
+    /// `[rows, hidden_size]`.
+    pub hidden: &'a [f32],
+    /// `[rows, hidden_size]`.
+    pub token_embedding: &'a [f32],
+    /// `[rows, top_logits]`, largest first.
+    pub top_logits: &'a [f32],
 }
 
 /// One request at routing time.
@@ -123,8 +146,12 @@ pub enum RoutingError {
     Config(String),
 }
 
-/// Builds the algorithm `config.routing` names, resolving model roles and names to indices.
-pub fn build(config: &Config) -> Result<Arc<dyn RoutingAlgorithm>, RoutingError> {
+/// Builds the algorithm `config.routing` names, resolving model roles and names to indices;
+/// `hidden_sizes` (per model) checks learned routers against the model they read.
+pub fn build(
+    config: &Config,
+    hidden_sizes: &[usize],
+) -> Result<Arc<dyn RoutingAlgorithm>, RoutingError> {
     let pair = || match (config.role_index(Role::Slm), config.role_index(Role::Llm)) {
         (Some(slm), Some(llm)) if slm != llm => Ok(Pair { slm, llm }),
         _ => Err(RoutingError::Config(
@@ -145,7 +172,45 @@ pub fn build(config: &Config) -> Result<Arc<dyn RoutingAlgorithm>, RoutingError>
         }
         RoutingConfig::Entropy { threshold } => Arc::new(entropy_threshold(pair()?, *threshold)),
         RoutingConfig::RStitch { high, low } => Arc::new(RStitch::new(pair()?, *high, *low)),
+        RoutingConfig::R2r { router, threshold } => {
+            learned(pair()?, router, *threshold, hidden_sizes, r2r::KIND, r2r)?
+        }
+        RoutingConfig::Citer { router, threshold } => learned(
+            pair()?,
+            router,
+            *threshold,
+            hidden_sizes,
+            citer::KIND,
+            citer,
+        )?,
+        RoutingConfig::CoLlm { router, threshold } => learned(
+            pair()?,
+            router,
+            *threshold,
+            hidden_sizes,
+            co_llm::KIND,
+            co_llm,
+        )?,
+        RoutingConfig::QueryLevel { rule, threshold } => {
+            Arc::new(QueryLevel::new(pair()?, *rule, *threshold))
+        }
     })
+}
+
+/// Loads a learned router's head for the SLM and wraps it; the config's threshold overrides
+/// the one trained into the head's file.
+fn learned(
+    pair: Pair,
+    router: &std::path::Path,
+    threshold: Option<f32>,
+    hidden_sizes: &[usize],
+    kind: head::HeadKind,
+    make: fn(Pair, head::RouterHead, f32) -> LearnedDeferral,
+) -> Result<Arc<dyn RoutingAlgorithm>, RoutingError> {
+    let hidden = hidden_sizes.get(pair.slm).copied().unwrap_or(0);
+    let head = head::RouterHead::load(router, kind, hidden)?;
+    let threshold = threshold.unwrap_or(head.config.threshold);
+    Ok(Arc::new(make(pair, head, threshold)))
 }
 
 /// Applies a per-row rule to a batch, for algorithms whose decisions are independent per row.

@@ -35,7 +35,10 @@ impl RoutingAlgorithm for RStitch {
     }
 
     fn needs(&self) -> FeatureNeeds {
-        FeatureNeeds { entropy: true }
+        FeatureNeeds {
+            entropy: true,
+            ..FeatureNeeds::default()
+        }
     }
 
     fn first_model(&self, _prompt: &[u32]) -> ModelIndex {
@@ -81,7 +84,10 @@ mod tests {
             generated: 9,
         };
         let entropy = [0.1, 1.0, 3.0];
-        let features = BatchFeatures { entropy: &entropy };
+        let features = BatchFeatures {
+            entropy: &entropy,
+            ..Default::default()
+        };
         let mut out = Vec::new();
         algo.route(0, &features, &[v(0), v(0), v(0)], &mut out);
         assert_eq!(out, [Route::Stay, Route::Stay, Route::Move(1)]);

@@ -2,8 +2,10 @@
 //! step by step, and comparing greedy decoding against a reference implementation.
 #![allow(dead_code)]
 
+pub mod heads;
 pub mod mock_worker;
 pub mod oracle;
+pub mod runtime;
 pub mod server;
 
 use std::path::PathBuf;

@@ -131,3 +131,66 @@ pub fn quantile(values: &[f32], q: f32) -> f32 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[((v.len() - 1) as f32 * q).round() as usize]
 }
+
+/// What a learned router head reads at one SLM position, recomputed from nothing.
+#[derive(Debug, Clone)]
+pub struct TokenFeatures {
+    /// The final normalised hidden state at the last position.
+    pub hidden: Vec<f32>,
+    /// Input embedding of the greedy token.
+    pub embedding: Vec<f32>,
+    /// All logits, largest first.
+    pub sorted_logits: Vec<f32>,
+}
+
+/// Greedy token, logits and head features of `model` after `context`, from a fresh cache.
+pub fn fresh_features(model: &Model, context: &[u32]) -> (u32, Vec<f32>, TokenFeatures) {
+    let mut kv = KvCache::with_capacity(model.config(), 16, context.len()).unwrap();
+    let mut seq = Sequence::new(context.to_vec());
+    let out = step(model, &mut kv, &mut [&mut seq], true).unwrap();
+    let logits = logits_row(&out.logits, 0).unwrap();
+    let hidden = out
+        .hidden
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let token = argmax(&logits);
+    let mut sorted_logits = logits.clone();
+    sorted_logits.sort_by(|a, b| b.total_cmp(a));
+    let embedding = model.embed(&[token]).unwrap();
+    let features = TokenFeatures {
+        hidden,
+        embedding,
+        sorted_logits,
+    };
+    (token, logits, features)
+}
+
+/// Greedy token-level deferral by full recomputation: at every SLM position `score` rates the
+/// features and `defers(score)` sends that position to the LLM (the SLM's token dropped), which
+/// produces one token and hands back. Also returns every score the SLM produced.
+pub fn deferral_greedy(
+    models: [&Model; 2],
+    score: &dyn Fn(&TokenFeatures) -> f32,
+    defers: &dyn Fn(f32) -> bool,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> (Vec<OracleToken>, Vec<f32>) {
+    let mut tokens = prompt.to_vec();
+    let (mut out, mut scores) = (Vec::new(), Vec::new());
+    while out.len() < max_tokens {
+        let (token, _, features) = fresh_features(models[0], &tokens);
+        let s = score(&features);
+        scores.push(s);
+        let (token, model) = if defers(s) {
+            (argmax(&fresh_logits(models[1], &tokens)), 1)
+        } else {
+            (token, 0)
+        };
+        tokens.push(token);
+        out.push(OracleToken { token, model });
+    }
+    (out, scores)
+}

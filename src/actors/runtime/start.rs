@@ -28,7 +28,11 @@ pub fn load_models(
 impl Runtime {
     /// Starts one model actor per entry of `models` (in `config.models` order).
     pub fn start(config: &Config, models: Vec<Arc<LoadedModel>>) -> Result<Self, RuntimeError> {
-        let router = crate::routing::build(config)?;
+        let hidden: Vec<usize> = models
+            .iter()
+            .map(|m| m.model.config().hidden_size)
+            .collect();
+        let router = crate::routing::build(config, &hidden)?;
         let home = router.first_model(&[]);
         if models.len() > 1 {
             check_same_tokenizer(config, &models)?;

@@ -5,6 +5,26 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::*;
 
+/// Owned routing features of one batch.
+#[derive(Default)]
+struct Features {
+    entropy: Vec<f32>,
+    hidden: Vec<f32>,
+    token_embedding: Vec<f32>,
+    top_logits: Vec<f32>,
+}
+
+impl Features {
+    fn view(&self) -> BatchFeatures<'_> {
+        BatchFeatures {
+            entropy: &self.entropy,
+            hidden: &self.hidden,
+            token_embedding: &self.token_embedding,
+            top_logits: &self.top_logits,
+        }
+    }
+}
+
 /// A sampled request of the batch, with its logits row.
 struct Sampled {
     id: RequestId,
@@ -21,7 +41,7 @@ impl ModelWorker {
         let plan = self.sched.schedule();
         if !plan.items.is_empty() {
             match self.forward(&plan) {
-                Ok(logits) => self.after_forward(&plan, &logits, now),
+                Ok((logits, hidden)) => self.after_forward(&plan, &logits, &hidden, now),
                 Err(message) => self.fail_plan(&plan, &message),
             }
             self.sched.publish_prefixes(&self.prefixes);
@@ -36,8 +56,9 @@ impl ModelWorker {
     }
 
     /// Runs the batch over the blocks the scheduler assigned; returns its logits,
-    /// `[items, vocab]`. A panic inside the model is caught and reported like an error.
-    fn forward(&mut self, plan: &Plan) -> Result<Vec<f32>, String> {
+    /// `[items, vocab]`, and (when the router reads them) hidden states, `[items, hidden]`.
+    /// A panic inside the model is caught and reported like an error.
+    fn forward(&mut self, plan: &Plan) -> Result<(Vec<f32>, Vec<f32>), String> {
         let inputs: Vec<SeqInput> = plan
             .items
             .iter()
@@ -53,17 +74,23 @@ impl ModelWorker {
         let model = &self.model.model;
         let kv = &mut self.kv;
         let failpoint = self.failpoint;
-        let run = catch_unwind(AssertUnwindSafe(|| -> crate::model::Result<Vec<f32>> {
+        let want_hidden = self.router.needs().hidden;
+        type Out = (Vec<f32>, Vec<f32>);
+        let run = catch_unwind(AssertUnwindSafe(|| -> crate::model::Result<Out> {
             if let Some(t) = failpoint.filter(|t| inputs.iter().any(|i| i.tokens.contains(t))) {
                 panic!("failpoint: token {t} reached the forward pass");
             }
-            let out = model.forward(&inputs, kv, false)?;
-            Ok(out.logits.flatten_all()?.to_vec1::<f32>()?)
+            let out = model.forward(&inputs, kv, want_hidden)?;
+            let hidden = match out.hidden {
+                Some(h) => h.flatten_all()?.to_vec1::<f32>()?,
+                None => Vec::new(),
+            };
+            Ok((out.logits.flatten_all()?.to_vec1::<f32>()?, hidden))
         }));
         self.stats.steps += 1;
         self.stats.batched_requests += plan.items.len() as u64;
         match run {
-            Ok(Ok(logits)) => Ok(logits),
+            Ok(Ok(out)) => Ok(out),
             Ok(Err(e)) => Err(format!("forward pass of model '{}' failed: {e}", self.name)),
             Err(panic) => Err({
                 self.mark_unhealthy();
@@ -76,7 +103,7 @@ impl ModelWorker {
         }
     }
 
-    fn after_forward(&mut self, plan: &Plan, logits: &[f32], now: Instant) {
+    fn after_forward(&mut self, plan: &Plan, logits: &[f32], hidden: &[f32], now: Instant) {
         self.sched.advance(plan);
         let vocab = self.model.model.config().vocab_size;
         let mut sampled = Vec::new();
@@ -94,12 +121,7 @@ impl ModelWorker {
                 token,
             });
         }
-        let mut entropy = Vec::new();
-        if self.router.needs().entropy {
-            let rows: Vec<usize> = sampled.iter().map(|s| s.row).collect();
-            entropy = vec![0.0; rows.len()];
-            entropy_rows(logits, vocab, &rows, &mut entropy);
-        }
+        let buffers = self.batch_features(logits, hidden, &sampled);
         let views: Vec<StepView> = sampled
             .iter()
             .map(|s| {
@@ -112,7 +134,7 @@ impl ModelWorker {
                 }
             })
             .collect();
-        let features = BatchFeatures { entropy: &entropy };
+        let features = buffers.view();
         let mut routes = Vec::with_capacity(views.len());
         self.router
             .route(self.index, &features, &views, &mut routes);
@@ -126,6 +148,39 @@ impl ModelWorker {
         for ((s, view), route) in sampled.iter().zip(&views).zip(routes) {
             self.apply_route(s.id, view, route, now);
         }
+    }
+
+    /// The routing features the router asked for, for the sampled rows only, each computed
+    /// once for the whole batch.
+    fn batch_features(&self, logits: &[f32], hidden: &[f32], sampled: &[Sampled]) -> Features {
+        let needs = self.router.needs();
+        let config = self.model.model.config();
+        let (vocab, width) = (config.vocab_size, config.hidden_size);
+        let rows: Vec<usize> = sampled.iter().map(|s| s.row).collect();
+        let mut f = Features::default();
+        if needs.entropy {
+            f.entropy = vec![0.0; rows.len()];
+            entropy_rows(logits, vocab, &rows, &mut f.entropy);
+        }
+        if needs.top_logits > 0 {
+            f.top_logits = vec![0.0; rows.len() * needs.top_logits];
+            top_logits_rows(logits, vocab, &rows, needs.top_logits, &mut f.top_logits);
+        }
+        if needs.hidden && hidden.len() >= (rows.iter().max().map_or(0, |r| r + 1)) * width {
+            f.hidden = rows
+                .iter()
+                .flat_map(|&r| &hidden[r * width..(r + 1) * width])
+                .copied()
+                .collect();
+        }
+        if needs.token_embedding {
+            let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
+            f.token_embedding = self.model.model.embed(&tokens).unwrap_or_else(|e| {
+                tracing::error!(model = %self.name, "token embeddings for routing: {e}");
+                Vec::new()
+            });
+        }
+        f
     }
 
     fn apply_route(&mut self, id: RequestId, view: &StepView, route: Route, now: Instant) {

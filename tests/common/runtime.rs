@@ -1,0 +1,103 @@
+//! Running the actor runtime over the tiny SLM/LLM pair from tests: the models, a config
+//! next to them, greedy requests, and the collected outcome of each.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::Device;
+use tokenrouter::actors::{GenerateRequest, Prompt, RequestEvent, RequestHandle, Runtime};
+use tokenrouter::config::Config;
+use tokenrouter::model::tiny::write_gguf;
+use tokenrouter::model::{LoadedModel, SamplingParams};
+
+use super::oracle::OracleToken;
+
+pub struct Pair {
+    pub dir: tempfile::TempDir,
+    pub models: Vec<Arc<LoadedModel>>,
+}
+
+pub fn tiny_pair() -> Pair {
+    let dir = tempfile::tempdir().unwrap();
+    let mut models = Vec::new();
+    for (name, spec) in super::server::tiny_pair_specs() {
+        let path = dir.path().join(format!("{name}.gguf"));
+        write_gguf(&spec, &path, &[GgmlDType::Q8_0, GgmlDType::Q4_0]).unwrap();
+        models.push(Arc::new(LoadedModel::load(&path, &Device::Cpu).unwrap()));
+    }
+    Pair { dir, models }
+}
+
+pub fn config(dir: &Path, rest: &str) -> Config {
+    let path = dir.join("config.toml");
+    let text = format!(
+        "[[models]]\nname = \"slm\"\npath = \"slm.gguf\"\nbatch_threshold = 3\n\
+         [[models]]\nname = \"llm\"\npath = \"llm.gguf\"\nbatch_threshold = 2\n\
+         [kv_cache]\nblock_size = 4\n{rest}"
+    );
+    std::fs::write(&path, text).unwrap();
+    Config::load(&path).unwrap()
+}
+
+pub fn prompts() -> Vec<Vec<u32>> {
+    (0..5u32)
+        .map(|k| (0..3 + 5 * k).map(|i| (i * 31 + k * 17) % 250).collect())
+        .collect()
+}
+
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub tokens: Vec<OracleToken>,
+    pub text: String,
+    pub terminals: Vec<RequestEvent>,
+}
+
+pub async fn collect(mut handle: RequestHandle, cancel_after: Option<usize>) -> Outcome {
+    let mut out = Outcome::default();
+    while let Some(event) = handle.events.recv().await {
+        match &event {
+            RequestEvent::Text { text, tokens } => {
+                out.text.push_str(text);
+                out.tokens.extend(
+                    tokens
+                        .iter()
+                        .map(|&(token, model)| OracleToken { token, model }),
+                );
+                if cancel_after.is_some_and(|n| out.tokens.len() >= n) {
+                    handle.cancel();
+                }
+            }
+            e if e.is_terminal() => out.terminals.push(event),
+            _ => {}
+        }
+    }
+    out
+}
+
+pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
+    GenerateRequest::new(
+        Prompt::Tokens(prompt.to_vec()),
+        SamplingParams::greedy(),
+        max_tokens,
+    )
+}
+
+/// Runs `body` inside an actix system with a runtime over `pair`'s models.
+pub fn with_runtime<T>(config: &Config, pair: &Pair, body: impl AsyncFnOnce(&Runtime) -> T) -> T {
+    actix::System::new().block_on(async {
+        let runtime = Runtime::start(config, pair.models.clone()).unwrap();
+        let out = body(&runtime).await;
+        let stats = runtime.stats().await;
+        for s in &stats {
+            assert_eq!(
+                s.free_blocks, s.total_blocks,
+                "{} leaked blocks: {s:?}",
+                s.name
+            );
+            assert_eq!(s.requests, 0, "{} still holds requests: {s:?}", s.name);
+        }
+        runtime.stop();
+        out
+    })
+}

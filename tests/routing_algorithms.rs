@@ -1,0 +1,253 @@
+//! The routing algorithms on the tiny model pair: learned routers (R2R, CITER, Co-LLM) with
+//! heads of known weights send exactly the positions an independent f64 re-implementation of
+//! the head predicts, and the runtime's output equals the full-recompute oracle in every
+//! scheduling mode; query-level routing runs each request wholly on the model its rule picks.
+
+mod common;
+
+use common::heads::{self, HeadWeights};
+use common::oracle::{deferral_greedy, fresh_features, routed_greedy, OracleToken, Rule};
+use common::runtime::{collect, config, greedy, prompts, tiny_pair, with_runtime, Pair};
+use tokenrouter::actors::{RequestEvent, Runtime};
+use tokenrouter::routing::head::{HeadConfig, HeadKind, RouterHead};
+
+const MAX_TOKENS: usize = 16;
+
+fn head_config(kind: HeadKind, hidden: usize) -> HeadConfig {
+    let r2r = kind == HeadKind::R2r;
+    HeadConfig {
+        kind,
+        hidden_size: hidden,
+        top_k: if r2r { 20 } else { 0 },
+        logits_dim: if r2r { 8 } else { 0 },
+        width: if r2r { 32 } else { 0 },
+        blocks: if r2r { 2 } else { 0 },
+        threshold: 0.5,
+        report: None,
+    }
+}
+
+/// Writes a seeded head for the SLM; returns its file name and an independent scorer.
+fn write_head(
+    pair: &Pair,
+    kind: HeadKind,
+) -> (String, impl Fn(&common::oracle::TokenFeatures) -> f32) {
+    let hidden = pair.models[0].model.config().hidden_size;
+    let config = head_config(kind, hidden);
+    let (head, vars) = RouterHead::init(config.clone(), 42).unwrap();
+    let name = format!("{kind:?}.safetensors").to_lowercase();
+    let path = pair.dir.path().join(&name);
+    head.save(&vars, &path).unwrap();
+    let weights = HeadWeights::read(&path);
+    let scorer = move |f: &common::oracle::TokenFeatures| match kind {
+        HeadKind::R2r => heads::r2r(&weights, f, config.top_k, config.blocks),
+        HeadKind::Citer => heads::citer(&weights, f),
+        HeadKind::CoLlm => heads::co_llm(&weights, f),
+    };
+    (name, scorer)
+}
+
+/// Whether `score` sends the token to the LLM under each algorithm's rule.
+fn defers(kind: HeadKind, score: f32, threshold: f32) -> bool {
+    match kind {
+        HeadKind::R2r => score >= threshold,
+        HeadKind::Citer => score < threshold,
+        HeadKind::CoLlm => score > threshold,
+    }
+}
+
+/// A threshold in a wide gap between the scores the SLM produces, so that routing happens on
+/// a fair share of tokens and no decision sits on a knife's edge.
+fn threshold_in_a_gap(pair: &Pair, scorer: &dyn Fn(&common::oracle::TokenFeatures) -> f32) -> f32 {
+    let mut scores = Vec::new();
+    for p in prompts().iter().take(3) {
+        let mut tokens = p.clone();
+        for _ in 0..MAX_TOKENS {
+            let (token, _, features) = fresh_features(&pair.models[0].model, &tokens);
+            scores.push(scorer(&features));
+            tokens.push(token);
+        }
+    }
+    scores.sort_by(|a, b| a.total_cmp(b));
+    let n = scores.len();
+    let (lo, hi) = (n / 4, 3 * n / 4);
+    let at = (lo..hi)
+        .max_by(|&i, &j| (scores[i + 1] - scores[i]).total_cmp(&(scores[j + 1] - scores[j])))
+        .unwrap();
+    (scores[at] + scores[at + 1]) / 2.0
+}
+
+fn algorithm(kind: HeadKind) -> &'static str {
+    match kind {
+        HeadKind::R2r => "r2r",
+        HeadKind::Citer => "citer",
+        HeadKind::CoLlm => "co-llm",
+    }
+}
+
+/// Runs every prompt greedily through a runtime configured with `routing` and `mode`.
+fn run_all(pair: &Pair, routing: &str, mode: &str) -> Vec<Vec<OracleToken>> {
+    let config = config(
+        pair.dir.path(),
+        &format!("{routing}[scheduler]\nmode = \"{mode}\"\n"),
+    );
+    with_runtime(&config, pair, async |rt: &Runtime| {
+        let handles: Vec<_> = prompts()
+            .iter()
+            .map(|p| {
+                let mut req = greedy(p, MAX_TOKENS);
+                req.ignore_eos = true;
+                rt.submit(req)
+            })
+            .collect();
+        let mut out = Vec::new();
+        for h in handles {
+            let outcome = collect(h, None).await;
+            assert!(matches!(
+                outcome.terminals.as_slice(),
+                [RequestEvent::Finished(_)]
+            ));
+            out.push(outcome.tokens);
+        }
+        out
+    })
+}
+
+#[test]
+fn learned_routers_defer_exactly_where_their_heads_say() {
+    let pair = tiny_pair();
+    let models = [&pair.models[0].model, &pair.models[1].model];
+    for kind in [HeadKind::R2r, HeadKind::Citer, HeadKind::CoLlm] {
+        let (file, scorer) = write_head(&pair, kind);
+        let threshold = threshold_in_a_gap(&pair, &scorer);
+        let mut closest = f32::INFINITY;
+        let expected: Vec<Vec<OracleToken>> = prompts()
+            .iter()
+            .map(|p| {
+                let decide = |s: f32| defers(kind, s, threshold);
+                let (tokens, scores) = deferral_greedy(models, &scorer, &decide, p, MAX_TOKENS);
+                closest = scores
+                    .iter()
+                    .fold(closest, |c, s| c.min((s - threshold).abs()));
+                tokens
+            })
+            .collect();
+        assert!(
+            closest > 1e-5,
+            "{kind:?}: a decision within {closest} of the threshold"
+        );
+        let deferred = expected.iter().flatten().filter(|t| t.model == 1).count();
+        let total = expected.iter().flatten().count();
+        assert!(
+            deferred > 0 && deferred < total,
+            "{kind:?}: {deferred} of {total} tokens deferred"
+        );
+        let routing = format!(
+            "[routing]\nalgorithm = \"{}\"\nrouter = \"{file}\"\nthreshold = {threshold}\n",
+            algorithm(kind)
+        );
+        for mode in ["delayed", "eager", "sync"] {
+            let got = run_all(&pair, &routing, mode);
+            for (i, (g, w)) in got.iter().zip(&expected).enumerate() {
+                assert_eq!(g, w, "{kind:?}, mode {mode}, prompt {i}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_threshold_in_the_router_file_applies_unless_the_config_overrides_it() {
+    let pair = tiny_pair();
+    let (file, _) = write_head(&pair, HeadKind::CoLlm);
+    // The file says 0.5; a gate never above 1.0 defers nothing, one always above 0.0 everything.
+    for (threshold, all_llm) in [("threshold = 1.0\n", false), ("threshold = 0.0\n", true)] {
+        let routing =
+            format!("[routing]\nalgorithm = \"co-llm\"\nrouter = \"{file}\"\n{threshold}");
+        let got = run_all(&pair, &routing, "eager");
+        let on_llm = got.iter().flatten().filter(|t| t.model == 1).count();
+        let total = got.iter().flatten().count();
+        assert_eq!(on_llm == total, all_llm, "{threshold}: {on_llm} of {total}");
+        assert!(all_llm || on_llm == 0);
+    }
+}
+
+#[test]
+fn query_level_runs_each_request_wholly_on_one_model() {
+    let pair = tiny_pair();
+    let models = [&pair.models[0].model, &pair.models[1].model];
+    let alone = |model: usize, prompt: &[u32]| -> Vec<OracleToken> {
+        // A rule that never leaves the starting model: greedy on that model alone.
+        let trace = routed_greedy(
+            [models[model], models[model]],
+            Rule::Entropy {
+                threshold: f32::INFINITY,
+            },
+            prompt,
+            MAX_TOKENS,
+            &[],
+        );
+        trace
+            .tokens
+            .into_iter()
+            .map(|t| OracleToken { model, ..t })
+            .collect()
+    };
+    // By length: the prompts are 3, 8, 13, 18 and 23 tokens long.
+    let routing = "[routing]\nalgorithm = \"query-level\"\nrule = \"length\"\nthreshold = 10\n";
+    let got = run_all(&pair, routing, "eager");
+    for (p, g) in prompts().iter().zip(&got) {
+        let model = usize::from(p.len() > 10);
+        assert_eq!(g, &alone(model, p), "prompt of {} tokens", p.len());
+    }
+    // By the SLM's first-token entropy: a threshold between the prompts' entropies.
+    let entropies: Vec<f32> = prompts()
+        .iter()
+        .map(|p| common::oracle::entropy(&common::oracle::fresh_logits(models[0], p)))
+        .collect();
+    let mut sorted = entropies.clone();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    let threshold = (sorted[1] + sorted[2]) / 2.0;
+    let routing = format!(
+        "[routing]\nalgorithm = \"query-level\"\nrule = \"entropy\"\nthreshold = {threshold}\n"
+    );
+    for mode in ["delayed", "sync"] {
+        let got = run_all(&pair, &routing, mode);
+        for ((p, g), h) in prompts().iter().zip(&got).zip(&entropies) {
+            let model = usize::from(*h > threshold);
+            assert_eq!(
+                g,
+                &alone(model, p),
+                "mode {mode}, first-token entropy {h} vs {threshold}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_bad_router_file_stops_start_up_with_the_file_named() {
+    let pair = tiny_pair();
+    let (file, _) = write_head(&pair, HeadKind::Citer);
+    // A CITER head loaded as R2R, and a head for another hidden size.
+    let start_error = |routing: &str| {
+        let c = config(pair.dir.path(), routing);
+        actix::System::new()
+            .block_on(async { Runtime::start(&c, pair.models.clone()).err().unwrap() })
+            .to_string()
+    };
+    let err = start_error(&format!(
+        "[routing]\nalgorithm = \"r2r\"\nrouter = \"{file}\"\n"
+    ));
+    assert!(
+        err.contains("citer.json") && err.contains("not R2r"),
+        "{err}"
+    );
+    let other = head_config(HeadKind::Citer, 7);
+    let (head, vars) = RouterHead::init(other, 1).unwrap();
+    head.save(&vars, &pair.dir.path().join("small.safetensors"))
+        .unwrap();
+    let err = start_error("[routing]\nalgorithm = \"citer\"\nrouter = \"small.safetensors\"\n");
+    assert!(
+        err.contains("small.json") && err.contains("hidden states of size 7"),
+        "{err}"
+    );
+}
