@@ -251,3 +251,84 @@ fn a_bad_router_file_stops_start_up_with_the_file_named() {
         "{err}"
     );
 }
+
+/// `train-router` end to end on the tiny pair: reads a corpus, writes a head of each kind
+/// with its threshold and report, and the heads serve: a runtime starts with each of them.
+#[test]
+fn train_router_writes_heads_that_serve() {
+    let pair = tiny_pair();
+    let corpus = pair.dir.path().join("corpus");
+    std::fs::create_dir_all(corpus.join("pkg")).unwrap();
+    for i in 0..6 {
+        let text: String = (0..40)
+            .map(|k| format!("def f{i}_{k}(x):\n    return x * {k} + {i}\n"))
+            .collect();
+        std::fs::write(corpus.join("pkg").join(format!("m{i}.py")), text).unwrap();
+    }
+    std::fs::write(corpus.join("notes.txt"), "not python").unwrap();
+    let config_path = pair.dir.path().join("config.toml");
+    config(pair.dir.path(), "");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+        .args(["train-router", "--config"])
+        .arg(&config_path)
+        .arg("--corpus")
+        .arg(&corpus)
+        .args([
+            "--texts",
+            "8",
+            "--text-tokens",
+            "24",
+            "--epochs",
+            "3",
+            "--top-k",
+            "10",
+        ])
+        .args([
+            "--logits-dim",
+            "4",
+            "--width",
+            "16",
+            "--blocks",
+            "1",
+            "--name",
+            "tiny",
+            "--out",
+        ])
+        .arg(pair.dir.path().join("routers"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for kind in ["r2r", "citer", "co_llm"] {
+        assert!(
+            stdout.contains(&format!("tiny-{kind}.safetensors")),
+            "{stdout}"
+        );
+        let json = pair.dir.path().join(format!("routers/tiny-{kind}.json"));
+        let config: HeadConfig =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let report = config.report.as_ref().expect("a training report");
+        assert!(report["recall"].as_f64().unwrap() >= 0.0);
+        assert!(report["share_thresholds"].as_object().unwrap().len() == 3);
+        assert!((0.0..=1.0).contains(&config.threshold));
+        let algorithm = kind.replace('_', "-");
+        let routing = format!("[routing]\nalgorithm = \"{algorithm}\"\nrouter = \"routers/tiny-{kind}.safetensors\"\n");
+        let got = run_all(&pair, &routing, "eager");
+        assert_eq!(got.len(), prompts().len());
+    }
+    // A corpus with nothing to read is refused with the reason.
+    let empty = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+        .args(["train-router", "--config"])
+        .arg(&config_path)
+        .arg("--corpus")
+        .arg(empty.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--corpus"));
+}

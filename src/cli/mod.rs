@@ -1,5 +1,5 @@
-//! Command-line interface: `serve`, `gateway`, `generate`, `tune`, `bench`, `bench-model` and
-//! `bench-runtime`. Every flag can also be set through
+//! Command-line interface: `serve`, `gateway`, `generate`, `tune`, `train-router`, `bench`,
+//! `bench-model` and `bench-runtime`. Every flag can also be set through
 //! the environment (`TOKENROUTER_<FLAG>`).
 
 mod bench;
@@ -9,6 +9,7 @@ mod gateway;
 mod generate;
 mod serve;
 mod serve_dp;
+mod train_router;
 mod tune;
 
 use std::path::PathBuf;
@@ -42,6 +43,8 @@ enum Command {
     Tune(tune::TuneArgs),
     /// Cache-aware gateway in front of running servers (data parallelism).
     Gateway(gateway::GatewayArgs),
+    /// Train R2R / CITER / Co-LLM router heads for the configured SLM/LLM pair.
+    TrainRouter(train_router::TrainRouterArgs),
     /// Token-routed serving throughput of the configured models in every scheduling mode.
     BenchRuntime(bench_runtime::BenchRuntimeArgs),
 }
@@ -50,6 +53,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Gateway(args) => gateway::run(args),
+        Command::TrainRouter(args) => train_router::run(args),
         Command::Tune(args) => tune::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(args),

@@ -216,15 +216,55 @@ impl Model {
         kv: &mut KvCache,
         want_hidden: bool,
     ) -> Result<ForwardOutput> {
+        let Some((x, last_rows)) = self.trunk(batch, kv)? else {
+            return self.empty_output(want_hidden);
+        };
+        let last = Tensor::from_vec(last_rows, batch.len(), &self.device)?;
+        let hidden = self.norm.forward(&x.index_select(&last, 0)?)?;
+        let logits = self.lm_head.forward(&hidden)?;
+        Ok(ForwardOutput {
+            logits,
+            hidden: want_hidden.then_some(hidden),
+        })
+    }
+
+    /// Like [`Model::forward`], but logits and hidden states at every new position of every
+    /// sequence, in order (`[tokens, vocab]`, `[tokens, hidden]`): what training a router
+    /// over a text reads.
+    pub fn forward_all_positions(
+        &self,
+        batch: &[SeqInput],
+        kv: &mut KvCache,
+    ) -> Result<ForwardOutput> {
+        let Some((x, _)) = self.trunk(batch, kv)? else {
+            return self.empty_output(true);
+        };
+        let hidden = self.norm.forward(&x)?;
+        let logits = self.lm_head.forward(&hidden)?;
+        Ok(ForwardOutput {
+            logits,
+            hidden: Some(hidden),
+        })
+    }
+
+    fn empty_output(&self, want_hidden: bool) -> Result<ForwardOutput> {
+        let c = &self.config;
+        Ok(ForwardOutput {
+            logits: Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?,
+            hidden: want_hidden
+                .then(|| Tensor::zeros((0, c.hidden_size), DType::F32, &self.device))
+                .transpose()?,
+        })
+    }
+
+    /// The decoder layers over every new token of the batch: the residual stream before the
+    /// final norm, `[tokens, hidden]`, and each sequence's last row in it (`None` when the
+    /// batch is empty).
+    fn trunk(&self, batch: &[SeqInput], kv: &mut KvCache) -> Result<Option<(Tensor, Vec<u32>)>> {
         let c = &self.config;
         self.validate_batch(batch, kv)?;
         if batch.is_empty() {
-            let logits = Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?;
-            let hidden = Tensor::zeros((0, c.hidden_size), DType::F32, &self.device)?;
-            return Ok(ForwardOutput {
-                logits,
-                hidden: want_hidden.then_some(hidden),
-            });
+            return Ok(None);
         }
         let mut ids = Vec::new();
         let mut positions = Vec::new();
@@ -255,13 +295,7 @@ impl Model {
             let gated = (candle_nn::ops::silu(&m.gate.forward(&h)?)? * m.up.forward(&h)?)?;
             x = (x + m.down.forward(&gated)?)?;
         }
-        let last = Tensor::from_vec(last_rows, batch.len(), &self.device)?;
-        let hidden = self.norm.forward(&x.index_select(&last, 0)?)?;
-        let logits = self.lm_head.forward(&hidden)?;
-        Ok(ForwardOutput {
-            logits,
-            hidden: want_hidden.then_some(hidden),
-        })
+        Ok(Some((x, last_rows)))
     }
 
     fn attention(

@@ -77,6 +77,20 @@ pub fn step(
     Ok(out)
 }
 
+/// Logits and hidden states at every position of `tokens`, from a fresh cache (the whole
+/// text in one pass): what position `t` predicts for position `t + 1`.
+pub fn score_text(model: &Model, tokens: &[u32]) -> Result<ForwardOutput> {
+    let mut kv = KvCache::with_capacity(model.config(), 16, tokens.len())?;
+    let mut seq = Sequence::new(tokens.to_vec());
+    kv.reserve(&mut seq.table, tokens.len())?;
+    let input = SeqInput {
+        tokens,
+        start_pos: 0,
+        blocks: seq.table.blocks(),
+    };
+    model.forward_all_positions(&[input], &mut kv)
+}
+
 /// Logits row `i` as a `Vec<f32>`.
 pub fn logits_row(logits: &Tensor, i: usize) -> Result<Vec<f32>> {
     Ok(logits.get(i)?.to_vec1::<f32>()?)

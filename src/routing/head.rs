@@ -31,6 +31,17 @@ pub enum HeadKind {
     CoLlm,
 }
 
+impl HeadKind {
+    /// The name in file names and flags.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::R2r => "r2r",
+            Self::Citer => "citer",
+            Self::CoLlm => "co_llm",
+        }
+    }
+}
+
 /// The JSON next to a head's weights.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -19,6 +19,7 @@ mod query_level;
 mod r2r;
 mod rstitch;
 mod single;
+pub mod train;
 
 use std::sync::Arc;
 

@@ -26,13 +26,24 @@ pub fn load_models(
 }
 
 impl Runtime {
-    /// Starts one model actor per entry of `models` (in `config.models` order).
+    /// Starts one model actor per entry of `models` (in `config.models` order), routing with
+    /// the algorithm `config.routing` names.
     pub fn start(config: &Config, models: Vec<Arc<LoadedModel>>) -> Result<Self, RuntimeError> {
         let hidden: Vec<usize> = models
             .iter()
             .map(|m| m.model.config().hidden_size)
             .collect();
         let router = crate::routing::build(config, &hidden)?;
+        Self::start_with_router(config, models, router)
+    }
+
+    /// Like [`Runtime::start`], with an algorithm of the caller's own (`config.routing` is not
+    /// read): how a new algorithm runs before it has a name in the config.
+    pub fn start_with_router(
+        config: &Config,
+        models: Vec<Arc<LoadedModel>>,
+        router: Arc<dyn RoutingAlgorithm>,
+    ) -> Result<Self, RuntimeError> {
         let home = router.first_model(&[]);
         if models.len() > 1 {
             check_same_tokenizer(config, &models)?;
