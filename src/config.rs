@@ -146,6 +146,10 @@ pub enum RoutingConfig {
     /// (the SLM prefills; when its first-token entropy exceeds `threshold` nats the LLM takes
     /// the request over) or `fraction` (a `threshold` share of prompts, by hash, go to the LLM).
     QueryLevel { rule: QueryRule, threshold: f64 },
+    /// Multi-model ensemble over every model: per position, each proposes its token with its
+    /// confidence (top probability) times its weight (`weights`, one per model in
+    /// `[[models]]` order); the best proposal is committed.
+    Ensemble { weights: Vec<f32> },
 }
 
 /// How query-level routing picks a request's model.
@@ -388,6 +392,17 @@ impl Config {
             {
                 Err(format!("routing.threshold = {threshold}: must be >= 0 (a share in [0, 1] for rule = \"fraction\")"))
             }
+            RoutingConfig::Ensemble { weights }
+                if weights.len() != self.models.len()
+                    || self.models.len() < 2
+                    || weights.iter().any(|w| !w.is_finite() || *w <= 0.0) =>
+            {
+                Err(format!(
+                    "routing.weights = {weights:?}: an ensemble needs at least two models and one positive weight per model ({} models)",
+                    self.models.len()
+                ))
+            }
+            RoutingConfig::Ensemble { .. } => Ok(()),
             RoutingConfig::Entropy { .. }
             | RoutingConfig::RStitch { .. }
             | RoutingConfig::R2r { .. }
@@ -476,6 +491,49 @@ mod tests {
         assert!(err.to_string().contains("role"), "{err}");
         let err = load_str(&format!("{two}[scheduler]\nmode = \"lockstep\"\n")).unwrap_err();
         assert!(err.to_string().contains("lockstep"), "{err}");
+    }
+
+    #[test]
+    fn learned_ensemble_and_query_level_sections_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.toml");
+        let two =
+            "[[models]]\nname = \"a\"\npath = \"x\"\n[[models]]\nname = \"b\"\npath = \"y\"\n";
+        let r2r = format!("{two}[routing]\nalgorithm = \"r2r\"\nrouter = \"r/h.safetensors\"\n");
+        std::fs::write(&path, r2r).unwrap();
+        let mut config = Config::load(&path).unwrap();
+        assert_eq!(
+            config.routing.router_path().cloned(),
+            Some(dir.path().join("r/h.safetensors"))
+        );
+        let bad = [
+            (
+                "algorithm = \"co-llm\"\nrouter = \"h\"\nthreshold = 1.5",
+                "[0, 1]",
+            ),
+            (
+                "algorithm = \"ensemble\"\nweights = [1.0]",
+                "one positive weight per model",
+            ),
+            ("algorithm = \"ensemble\"\nweights = [1.0, 0.0]", "positive"),
+            (
+                "algorithm = \"query-level\"\nrule = \"fraction\"\nthreshold = 2.0",
+                "share",
+            ),
+            (
+                "algorithm = \"query-level\"\nrule = \"vibes\"\nthreshold = 2.0",
+                "vibes",
+            ),
+            ("algorithm = \"citer\"", "router"),
+        ];
+        for (routing, needle) in bad {
+            let err = load_str(&format!("{two}[routing]\n{routing}\n")).unwrap_err();
+            assert!(err.to_string().contains(needle), "{routing}: {err}");
+        }
+        let ok = load_str(&format!(
+            "{two}[routing]\nalgorithm = \"ensemble\"\nweights = [1.0, 2.0]\n"
+        ));
+        assert!(ok.is_ok());
     }
 
     #[test]

@@ -14,16 +14,9 @@ use tokenrouter::routing::head::{HeadConfig, HeadKind, RouterHead};
 const MAX_TOKENS: usize = 16;
 
 fn head_config(kind: HeadKind, hidden: usize) -> HeadConfig {
-    let r2r = kind == HeadKind::R2r;
-    HeadConfig {
-        kind,
-        hidden_size: hidden,
-        top_k: if r2r { 20 } else { 0 },
-        logits_dim: if r2r { 8 } else { 0 },
-        width: if r2r { 32 } else { 0 },
-        blocks: if r2r { 2 } else { 0 },
-        threshold: 0.5,
-        report: None,
+    match kind {
+        HeadKind::R2r => HeadConfig::new(kind, hidden).with_r2r_shape(20, 8, 32, 2),
+        _ => HeadConfig::new(kind, hidden),
     }
 }
 
@@ -91,7 +84,12 @@ fn run_all(pair: &Pair, routing: &str, mode: &str) -> Vec<Vec<OracleToken>> {
         pair.dir.path(),
         &format!("{routing}[scheduler]\nmode = \"{mode}\"\n"),
     );
-    with_runtime(&config, pair, async |rt: &Runtime| {
+    run_with(pair, &config)
+}
+
+/// Runs every prompt greedily (EOS ignored) through a runtime over `pair`'s models.
+fn run_with(pair: &Pair, config: &tokenrouter::config::Config) -> Vec<Vec<OracleToken>> {
+    with_runtime(config, pair, async |rt: &Runtime| {
         let handles: Vec<_> = prompts()
             .iter()
             .map(|p| {
@@ -331,4 +329,91 @@ fn train_router_writes_heads_that_serve() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--corpus"));
+}
+
+/// Probability of the most likely token, in f64.
+fn max_prob(logits: &[f32]) -> f64 {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    1.0 / logits.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>()
+}
+
+/// Three models (the pair and a third of another size), each position decided among all of
+/// them by weighted confidence, exactly as a from-scratch re-computation decides it.
+#[test]
+fn an_ensemble_commits_the_best_weighted_proposal_of_every_model() {
+    use candle_core::quantized::GgmlDType;
+    use std::sync::Arc;
+    use tokenrouter::model::tiny::{write_gguf, TinySpec};
+    use tokenrouter::model::{Architecture, LoadedModel};
+
+    let mut trio = tiny_pair();
+    let spec = TinySpec {
+        seed: 13,
+        hidden_size: 96,
+        intermediate_size: 160,
+        ..TinySpec::new(Architecture::Qwen2)
+    };
+    let path = trio.dir.path().join("third.gguf");
+    write_gguf(&spec, &path, &[GgmlDType::Q8_0, GgmlDType::Q4_0]).unwrap();
+    let third = LoadedModel::load(&path, &candle_core::Device::Cpu).unwrap();
+    trio.models.push(Arc::new(third));
+    let weights = [1.0f64, 1.15, 0.9];
+
+    let mut closest = f64::INFINITY;
+    let expected: Vec<Vec<OracleToken>> = prompts()
+        .iter()
+        .map(|p| {
+            let mut tokens = p.clone();
+            let mut out = Vec::new();
+            for _ in 0..MAX_TOKENS {
+                let proposals: Vec<(u32, f64)> = trio
+                    .models
+                    .iter()
+                    .zip(weights)
+                    .map(|(m, w)| {
+                        let logits = common::oracle::fresh_logits(&m.model, &tokens);
+                        (
+                            tokenrouter::model::sampler::argmax(&logits),
+                            w * max_prob(&logits),
+                        )
+                    })
+                    .collect();
+                let mut best = 0;
+                for (m, &(_, score)) in proposals.iter().enumerate().skip(1) {
+                    closest = closest.min((score - proposals[best].1).abs());
+                    if score > proposals[best].1 {
+                        best = m;
+                    }
+                }
+                tokens.push(proposals[best].0);
+                out.push(OracleToken {
+                    token: proposals[best].0,
+                    model: best,
+                });
+            }
+            out
+        })
+        .collect();
+    assert!(closest > 1e-5, "a decision within {closest}");
+    let winners: std::collections::HashSet<usize> =
+        expected.iter().flatten().map(|t| t.model).collect();
+    assert!(
+        winners.len() >= 2,
+        "every position went to one model: {winners:?}"
+    );
+
+    let path = trio.dir.path().join("config.toml");
+    for mode in ["eager", "sync", "delayed"] {
+        let text = format!(
+            "[[models]]\nname = \"slm\"\npath = \"slm.gguf\"\n[[models]]\nname = \"llm\"\npath = \"llm.gguf\"\n\
+             [[models]]\nname = \"third\"\npath = \"third.gguf\"\n[kv_cache]\nblock_size = 4\n\
+             [routing]\nalgorithm = \"ensemble\"\nweights = [1.0, 1.15, 0.9]\n[scheduler]\nmode = \"{mode}\"\n"
+        );
+        std::fs::write(&path, text).unwrap();
+        let config = tokenrouter::config::Config::load(&path).unwrap();
+        let got = run_with(&trio, &config);
+        for (i, (g, w)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(g, w, "mode {mode}, prompt {i}");
+        }
+    }
 }

@@ -7,7 +7,7 @@ use actix::Message;
 
 use crate::model::runner::FinishReason;
 use crate::model::SamplingParams;
-use crate::routing::ModelIndex;
+use crate::routing::{Candidate, ModelIndex};
 use crate::scheduler::RequestId;
 
 /// Where a request's token events go (its request actor). `send` returns false once nobody
@@ -74,6 +74,9 @@ pub struct Abort {
 pub struct Handoff {
     pub meta: Arc<RequestMeta>,
     pub tokens: Vec<u32>,
+    /// The best proposal for the next position so far, when the request is passed on
+    /// without committing it (ensembles).
+    pub carried: Option<Candidate>,
 }
 
 pub enum PeerBody {

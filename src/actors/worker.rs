@@ -13,11 +13,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::messages::{Handoff, PeerBody, PeerMessage, RequestMeta, TokenEvent};
-use crate::kernels::routing_features::{entropy_rows, top_logits_rows};
+use crate::kernels::routing_features::{entropy_rows, max_prob_rows, top_logits_rows};
 use crate::model::runner::FinishReason;
 use crate::model::{KvCache, LoadedModel, Sampler, SeqInput};
 use crate::routing::{
-    Arrival, BatchFeatures, ModelIndex, Resume, Route, RoutingAlgorithm, StepView,
+    Arrival, BatchFeatures, Candidate, ModelIndex, Resume, Route, RoutingAlgorithm, StepView,
 };
 use crate::scheduler::{
     DelayedBatching, Launch, LaunchPolicy, LockStep, Plan, PublishedPrefixes, RequestId, Scheduler,
@@ -83,6 +83,8 @@ struct Local {
     tokens: Vec<u32>,
     sampler: Sampler,
     tokens_here: usize,
+    /// A peer's best proposal for the next position, until the next routing decision.
+    carried: Option<Candidate>,
 }
 
 const TOMBSTONES: usize = 8192;
@@ -184,7 +186,11 @@ impl ModelWorker {
             return;
         }
         let Some(local) = self.requests.get_mut(&id) else {
-            return self.admit(handoff.meta, handoff.tokens, now);
+            self.admit(handoff.meta, handoff.tokens, now);
+            if let Some(local) = self.requests.get_mut(&id) {
+                local.carried = handoff.carried;
+            }
+            return;
         };
         debug_assert!(handoff.tokens.starts_with(&local.tokens));
         let cached = self.sched.computed(id);
@@ -197,6 +203,7 @@ impl ModelWorker {
         let recompute = self.router.receive(&arrival) == Resume::Recompute;
         local.tokens = handoff.tokens;
         local.tokens_here = 0;
+        local.carried = handoff.carried;
         self.sched.resume(id, &local.tokens, recompute, now);
     }
 
@@ -227,6 +234,7 @@ impl ModelWorker {
             tokens,
             sampler,
             tokens_here: 0,
+            carried: None,
         };
         self.requests.insert(local.meta.id, local);
     }

@@ -194,16 +194,14 @@ pub fn run(args: TrainRouterArgs) -> anyhow::Result<()> {
     };
     println!("| head | threshold | precision | recall | routed share | thresholds for 5 / 10 / 20 % routed |\n|---|---|---|---|---|---|");
     for kind in kinds {
-        let r2r = kind == HeadKind::R2r;
-        let shape = HeadConfig {
-            kind,
-            hidden_size: data.hidden_size,
-            top_k: if r2r { args.top_k } else { 0 },
-            logits_dim: if r2r { args.logits_dim } else { 0 },
-            width: if r2r { args.width } else { 0 },
-            blocks: if r2r { args.blocks } else { 0 },
-            threshold: 0.5,
-            report: None,
+        let shape = match kind {
+            HeadKind::R2r => HeadConfig::new(kind, data.hidden_size).with_r2r_shape(
+                args.top_k,
+                args.logits_dim,
+                args.width,
+                args.blocks,
+            ),
+            _ => HeadConfig::new(kind, data.hidden_size),
         };
         let (head, vars, report) = train(shape, &data, &settings)?;
         let file = format!("{}-{}.safetensors", args.name, kind.name());

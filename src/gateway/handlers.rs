@@ -17,9 +17,9 @@ type State = web::Data<GatewayState>;
 type Client = web::Data<awc::Client>;
 
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.route("/v1/chat/completions", web::post().to(chat))
-        .route("/v1/completions", web::post().to(completions))
-        .route("/generate", web::post().to(generate))
+    cfg.route("/v1/chat/completions", proxy(Endpoint::Chat))
+        .route("/v1/completions", proxy(Endpoint::Completion))
+        .route("/generate", proxy(Endpoint::Generate))
         .route("/v1/models", web::get().to(models))
         .route("/get_server_info", web::get().to(server_info))
         .route("/health", web::get().to(health))
@@ -29,6 +29,13 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/workers", web::post().to(add_worker))
         .route("/workers", web::delete().to(remove_worker))
         .default_service(web::to(not_found));
+}
+
+/// The route of a proxied generation endpoint.
+fn proxy(endpoint: Endpoint) -> actix_web::Route {
+    web::post().to(
+        move |s: State, c: Client, r: HttpRequest, p: web::Payload| proxied(s, c, r, p, endpoint),
+    )
 }
 
 async fn proxied(
@@ -49,33 +56,6 @@ async fn proxied(
         }
     }
     result
-}
-
-async fn chat(
-    s: State,
-    c: Client,
-    r: HttpRequest,
-    p: web::Payload,
-) -> Result<HttpResponse, ApiError> {
-    proxied(s, c, r, p, Endpoint::Chat).await
-}
-
-async fn completions(
-    s: State,
-    c: Client,
-    r: HttpRequest,
-    p: web::Payload,
-) -> Result<HttpResponse, ApiError> {
-    proxied(s, c, r, p, Endpoint::Completion).await
-}
-
-async fn generate(
-    s: State,
-    c: Client,
-    r: HttpRequest,
-    p: web::Payload,
-) -> Result<HttpResponse, ApiError> {
-    proxied(s, c, r, p, Endpoint::Generate).await
 }
 
 async fn models(state: State, client: Client) -> Result<HttpResponse, ApiError> {

@@ -7,11 +7,7 @@ use super::parallel::{for_each_range, DisjointOut};
 
 /// `out[k]` = entropy of the softmax of row `rows[k]` of `logits` (`[_, vocab]`).
 pub fn entropy_rows(logits: &[f32], vocab: usize, rows: &[usize], out: &mut [f32]) {
-    assert!(vocab > 0 && rows.len() == out.len(), "one output per row");
-    assert!(
-        rows.iter().all(|&r| (r + 1) * vocab <= logits.len()),
-        "rows lie inside the [_, vocab] logits"
-    );
+    check_rows(logits, vocab, rows, out.len(), 1);
     let dst = DisjointOut::new(out);
     for_each_range(rows.len(), |ks| {
         for k in ks {
@@ -23,17 +19,25 @@ pub fn entropy_rows(logits: &[f32], vocab: usize, rows: &[usize], out: &mut [f32
     });
 }
 
+/// `out[k]` = the largest probability of the softmax of row `rows[k]`: 1 / Σ exp(x − max).
+pub fn max_prob_rows(logits: &[f32], vocab: usize, rows: &[usize], out: &mut [f32]) {
+    check_rows(logits, vocab, rows, out.len(), 1);
+    let dst = DisjointOut::new(out);
+    for_each_range(rows.len(), |ks| {
+        for k in ks {
+            let row = &logits[rows[k] * vocab..(rows[k] + 1) * vocab];
+            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let z: f64 = row.iter().map(|&x| ((x - m) as f64).exp()).sum();
+            // SAFETY: each output index is handed to exactly one task.
+            unsafe { dst.slice(k, 1)[0] = if m.is_finite() { (1.0 / z) as f32 } else { 0.0 } };
+        }
+    });
+}
+
 /// `out[k*top..(k+1)*top]` = the `top` largest logits of row `rows[k]`, largest first (rows
 /// narrower than `top` are padded with their minimum).
 pub fn top_logits_rows(logits: &[f32], vocab: usize, rows: &[usize], top: usize, out: &mut [f32]) {
-    assert!(
-        vocab > 0 && top > 0 && rows.len() * top == out.len(),
-        "top values per row"
-    );
-    assert!(
-        rows.iter().all(|&r| (r + 1) * vocab <= logits.len()),
-        "rows lie inside the [_, vocab] logits"
-    );
+    check_rows(logits, vocab, rows, out.len(), top);
     let dst = DisjointOut::new(out);
     for_each_range(rows.len(), |ks| {
         for k in ks {
@@ -43,6 +47,16 @@ pub fn top_logits_rows(logits: &[f32], vocab: usize, rows: &[usize], top: usize,
             row_top(&logits[r * vocab..(r + 1) * vocab], best);
         }
     });
+}
+
+/// The contract of both kernels: `per_row` outputs for each row, and rows inside the logits.
+fn check_rows(logits: &[f32], vocab: usize, rows: &[usize], outputs: usize, per_row: usize) {
+    assert!(vocab > 0 && per_row > 0, "a vocabulary and outputs per row");
+    assert_eq!(rows.len() * per_row, outputs, "{per_row} outputs per row");
+    assert!(
+        rows.iter().all(|&r| (r + 1) * vocab <= logits.len()),
+        "rows lie inside the [_, vocab] logits"
+    );
 }
 
 /// Keeps `best` sorted descending while scanning; a value enters only when it beats the
@@ -135,6 +149,16 @@ mod tests {
         let mut out = vec![0.0; 5];
         top_logits_rows(&[1.0, 3.0, 2.0], 3, &[0], 5, &mut out);
         assert_eq!(out, [3.0, 2.0, 1.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn max_prob_is_the_top_softmax_probability() {
+        let logits = [0.0f32, 1.0, 2.0, 0.0, 0.0, 0.0];
+        let mut out = [0.0; 2];
+        max_prob_rows(&logits, 3, &[0, 1], &mut out);
+        let z = 1.0 + 1f64.exp() + 2f64.exp();
+        assert!((out[0] as f64 - 2f64.exp() / z).abs() < 1e-6);
+        assert!((out[1] - 1.0 / 3.0).abs() < 1e-6);
     }
 
     #[test]

@@ -22,6 +22,7 @@ mod tests {
             token: 7,
             tokens_here: 0,
             generated: 3,
+            carried: None,
         }
     }
 

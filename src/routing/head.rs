@@ -73,6 +73,38 @@ fn is_zero(n: &usize) -> bool {
 }
 
 impl HeadConfig {
+    /// A head of `kind` reading hidden states of `hidden_size`, threshold 0.5; an R2R head
+    /// also needs [`HeadConfig::with_r2r_shape`].
+    pub fn new(kind: HeadKind, hidden_size: usize) -> Self {
+        Self {
+            kind,
+            hidden_size,
+            top_k: 0,
+            logits_dim: 0,
+            width: 0,
+            blocks: 0,
+            threshold: 0.5,
+            report: None,
+        }
+    }
+
+    /// The R2R widths: logits read, their projection, the MLP width and its blocks.
+    pub fn with_r2r_shape(
+        self,
+        top_k: usize,
+        logits_dim: usize,
+        width: usize,
+        blocks: usize,
+    ) -> Self {
+        Self {
+            top_k,
+            logits_dim,
+            width,
+            blocks,
+            ..self
+        }
+    }
+
     fn check(&self) -> Result<(), String> {
         if self.hidden_size == 0 {
             return Err("hidden_size must be positive".into());
@@ -318,15 +350,9 @@ mod tests {
     use super::*;
 
     fn config(kind: HeadKind, hidden: usize) -> HeadConfig {
-        HeadConfig {
-            kind,
-            hidden_size: hidden,
-            top_k: if kind == HeadKind::R2r { 8 } else { 0 },
-            logits_dim: if kind == HeadKind::R2r { 4 } else { 0 },
-            width: if kind == HeadKind::R2r { 12 } else { 0 },
-            blocks: if kind == HeadKind::R2r { 2 } else { 0 },
-            threshold: 0.5,
-            report: None,
+        match kind {
+            HeadKind::R2r => HeadConfig::new(kind, hidden).with_r2r_shape(8, 4, 12, 2),
+            _ => HeadConfig::new(kind, hidden),
         }
     }
 

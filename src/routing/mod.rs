@@ -9,9 +9,14 @@
 //!   elsewhere (the default) or recompute the whole prefix.
 //!
 //! Algorithms know nothing of actors, KV blocks or HTTP; they see plain numbers.
+//!
+//! One file per algorithm: [`SingleModel`], [`entropy_threshold`], [`RStitch`], the learned
+//! routers [`r2r`], [`citer`] and [`co_llm`] (a [`LearnedDeferral`] over a [`head`] trained by
+//! [`train`]), [`QueryLevel`], and the multi-model [`Ensemble`].
 
 mod citer;
 mod co_llm;
+mod ensemble;
 mod entropy;
 pub mod head;
 mod learned;
@@ -25,6 +30,7 @@ use std::sync::Arc;
 
 pub use citer::citer;
 pub use co_llm::co_llm;
+pub use ensemble::Ensemble;
 pub use entropy::entropy_threshold;
 pub use learned::LearnedDeferral;
 pub use query_level::QueryLevel;
@@ -54,6 +60,8 @@ pub struct FeatureNeeds {
     pub token_embedding: bool,
     /// How many of the largest logits (0: none).
     pub top_logits: usize,
+    /// The probability of the most likely next token (softmax of the raw logits).
+    pub max_prob: bool,
 }
 
 /// Features of one batch, row `i` for the batch's `i`-th routed request (row-major for the
@@ -68,10 +76,19 @@ pub struct BatchFeatures<'a> {
     pub token_embedding: &'a [f32],
     /// `[rows, top_logits]`, largest first.
     pub top_logits: &'a [f32],
+    pub max_prob: &'a [f32],
+}
+
+/// A token proposed for a position by one model, with the score it won or lost by.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    pub token: u32,
+    pub model: ModelIndex,
+    pub score: f32,
 }
 
 /// One request at routing time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepView {
     /// The model that just ran the step.
     pub model: ModelIndex,
@@ -81,12 +98,23 @@ pub struct StepView {
     pub tokens_here: usize,
     /// Output tokens committed so far, on any model.
     pub generated: usize,
+    /// The best candidate for this position that the request brought along
+    /// ([`Route::Pass`]), if any.
+    pub carried: Option<Candidate>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Route {
+    /// Commit the sampled token here and go on here.
     Stay,
+    /// Go to another model (what happens to the sampled token is [`RoutingAlgorithm::send`]'s
+    /// decision).
     Move(ModelIndex),
+    /// Commit nothing for this position yet: the request moves on carrying `best`, so that
+    /// the next model can weigh its own token against it (ensembles).
+    Pass { to: ModelIndex, best: Candidate },
+    /// Commit `best` (whichever model proposed it) for this position, then go on at `next`.
+    Decide { best: Candidate, next: ModelIndex },
 }
 
 /// What [`RoutingAlgorithm::send`] decides about the token just sampled.
@@ -195,6 +223,7 @@ pub fn build(
         RoutingConfig::QueryLevel { rule, threshold } => {
             Arc::new(QueryLevel::new(pair()?, *rule, *threshold))
         }
+        RoutingConfig::Ensemble { weights } => Arc::new(Ensemble::new(weights.clone())),
     })
 }
 

@@ -94,6 +94,7 @@ mod tests {
             token: 5,
             tokens_here: 0,
             generated: 0,
+            carried: None,
         }
     }
 

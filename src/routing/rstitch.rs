@@ -82,6 +82,7 @@ mod tests {
             token: 1,
             tokens_here: 4,
             generated: 9,
+            carried: None,
         };
         let entropy = [0.1, 1.0, 3.0];
         let features = BatchFeatures {

@@ -365,16 +365,7 @@ mod tests {
     #[test]
     fn a_probe_learns_a_separable_rule_and_meets_the_recall_target() {
         let data = separable(1200, 6);
-        let config = HeadConfig {
-            kind: HeadKind::CoLlm,
-            hidden_size: 6,
-            top_k: 0,
-            logits_dim: 0,
-            width: 0,
-            blocks: 0,
-            threshold: 0.5,
-            report: None,
-        };
+        let config = HeadConfig::new(HeadKind::CoLlm, 6);
         let settings = TrainSettings {
             epochs: 60,
             batch_size: 64,
@@ -395,16 +386,7 @@ mod tests {
     #[test]
     fn citer_learns_confidence_and_defers_below_its_threshold() {
         let data = separable(1200, 6);
-        let config = HeadConfig {
-            kind: HeadKind::Citer,
-            hidden_size: 6,
-            top_k: 0,
-            logits_dim: 0,
-            width: 0,
-            blocks: 0,
-            threshold: 0.5,
-            report: None,
-        };
+        let config = HeadConfig::new(HeadKind::Citer, 6);
         let settings = TrainSettings {
             epochs: 40,
             batch_size: 64,

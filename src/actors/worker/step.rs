@@ -12,6 +12,7 @@ struct Features {
     hidden: Vec<f32>,
     token_embedding: Vec<f32>,
     top_logits: Vec<f32>,
+    max_prob: Vec<f32>,
 }
 
 impl Features {
@@ -21,6 +22,7 @@ impl Features {
             hidden: &self.hidden,
             token_embedding: &self.token_embedding,
             top_logits: &self.top_logits,
+            max_prob: &self.max_prob,
         }
     }
 }
@@ -131,17 +133,28 @@ impl ModelWorker {
                     token: s.token,
                     tokens_here: local.tokens_here,
                     generated: local.tokens.len() - local.meta.prompt_len,
+                    carried: local.carried,
                 }
             })
             .collect();
+        for s in &sampled {
+            if let Some(local) = self.requests.get_mut(&s.id) {
+                local.carried = None;
+            }
+        }
         let features = buffers.view();
         let mut routes = Vec::with_capacity(views.len());
         self.router
             .route(self.index, &features, &views, &mut routes);
         if let Some(online) = self.online.as_mut() {
+            let here = self.index;
             let moves = routes
                 .iter()
-                .filter(|r| matches!(r, Route::Move(to) if *to != self.index))
+                .filter(|r| match **r {
+                    Route::Move(to) | Route::Pass { to, .. } => to != here,
+                    Route::Decide { next, .. } => next != here,
+                    Route::Stay => false,
+                })
                 .count();
             online.observe(routes.len(), moves);
         }
@@ -161,6 +174,10 @@ impl ModelWorker {
         if needs.entropy {
             f.entropy = vec![0.0; rows.len()];
             entropy_rows(logits, vocab, &rows, &mut f.entropy);
+        }
+        if needs.max_prob {
+            f.max_prob = vec![0.0; rows.len()];
+            max_prob_rows(logits, vocab, &rows, &mut f.max_prob);
         }
         if needs.top_logits > 0 {
             f.top_logits = vec![0.0; rows.len() * needs.top_logits];
@@ -184,24 +201,32 @@ impl ModelWorker {
     }
 
     fn apply_route(&mut self, id: RequestId, view: &StepView, route: Route, now: Instant) {
-        let to = match route {
-            Route::Move(to) if to != self.index && to < self.unsent.len() => to,
-            _ => {
-                if self.commit(id, view.token) {
-                    self.sched.commit(id, &self.requests[&id].tokens, now);
-                }
+        let peer = |to: ModelIndex| to != self.index && to < self.unsent.len();
+        // Where the request goes, what it commits first (token, producing model) and what it
+        // carries along.
+        let (to, commit, carried) = match route {
+            Route::Move(to) if peer(to) => {
+                let keep = self.router.send(self.index, to, view).keep_token;
+                (to, keep.then_some((view.token, self.index)), None)
+            }
+            Route::Pass { to, best } if peer(to) => (to, None, Some(best)),
+            Route::Decide { best, next } if peer(next) => {
+                (next, Some((best.token, best.model)), None)
+            }
+            Route::Decide { best, .. } => return self.commit_here(id, best.token, best.model, now),
+            _ => return self.commit_here(id, view.token, self.index, now),
+        };
+        if let Some((token, model)) = commit {
+            if !self.commit(id, token, model) {
                 return;
             }
-        };
-        let plan = self.router.send(self.index, to, view);
-        if plan.keep_token && !self.commit(id, view.token) {
-            return;
         }
         let local = &self.requests[&id];
         self.sched.leave(id, &local.tokens);
         let handoff = Handoff {
             meta: local.meta.clone(),
             tokens: local.tokens.clone(),
+            carried,
         };
         if !local.meta.sink.send(TokenEvent::Moved {
             from: self.index,
@@ -213,19 +238,24 @@ impl ModelWorker {
         self.send(to, PeerBody::Handoff(handoff));
     }
 
-    /// Commits `token` for `id` and reports it; ends the request on a stop token, at its
-    /// length limit, or when nobody listens. Returns whether the request goes on.
-    fn commit(&mut self, id: RequestId, token: u32) -> bool {
+    /// Commits `token` (produced by `model`) and keeps the request here.
+    fn commit_here(&mut self, id: RequestId, token: u32, model: ModelIndex, now: Instant) {
+        if self.commit(id, token, model) {
+            self.sched.commit(id, &self.requests[&id].tokens, now);
+        }
+    }
+
+    /// Commits `token` (produced by `model`) for `id` and reports it; ends the request on a
+    /// stop token, at its length limit, or when nobody listens. Returns whether the request
+    /// goes on.
+    fn commit(&mut self, id: RequestId, token: u32, model: ModelIndex) -> bool {
         let local = self.requests.get_mut(&id).expect("sampled request");
         local.tokens.push(token);
         local.tokens_here += 1;
         self.stats.tokens_committed += 1;
         let meta = local.meta.clone();
         let generated = local.tokens.len() - meta.prompt_len;
-        if !meta.sink.send(TokenEvent::Token {
-            token,
-            model: self.index,
-        }) {
+        if !meta.sink.send(TokenEvent::Token { token, model }) {
             self.end(id, true);
             return false;
         }
