@@ -13,6 +13,20 @@ use tokenrouter::routing::head::{HeadConfig, HeadKind, RouterHead};
 
 const MAX_TOKENS: usize = 16;
 
+#[test]
+fn the_reference_erf_matches_known_values() {
+    let known = [
+        (0.0, 0.0),
+        (0.5, 0.520_499_877_813_046_5),
+        (1.0, 0.842_700_792_949_714_9),
+        (-2.0, -0.995_322_265_018_952_7),
+        (3.5, 0.999_999_256_901_627_7),
+    ];
+    for (x, want) in known {
+        assert!((heads::erf(x) - want).abs() < 1e-12, "erf({x})");
+    }
+}
+
 fn head_config(kind: HeadKind, hidden: usize) -> HeadConfig {
     match kind {
         HeadKind::R2r => HeadConfig::new(kind, hidden).with_r2r_shape(20, 8, 32, 2),
