@@ -84,7 +84,11 @@ async fn health(state: State) -> HttpResponse {
 async fn metrics(state: State) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
-        .body(state.metrics.render(&state.workers, state.policy.as_ref()))
+        .body(state.metrics.render(
+            &state.workers,
+            state.policy.as_ref(),
+            state.queued.load(std::sync::atomic::Ordering::Acquire),
+        ))
 }
 
 async fn list_workers(state: State) -> HttpResponse {

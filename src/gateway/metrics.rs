@@ -14,7 +14,7 @@ pub struct GatewayMetrics {
     retries: IntCounterVec,
     matched_chars: IntCounter,
     request_chars: IntCounter,
-    pub queued: IntGauge,
+    queued: IntGauge,
     selections: IntGaugeVec,
     worker_state: IntGaugeVec,
     tree_chars: IntGaugeVec,
@@ -105,7 +105,9 @@ impl GatewayMetrics {
         self.matched_chars.get() as f64 / self.request_chars.get().max(1) as f64
     }
 
-    pub fn render(&self, workers: &WorkerSet, policy: &dyn Policy) -> String {
+    /// The exposition; `queued` is the number of requests waiting right now.
+    pub fn render(&self, workers: &WorkerSet, policy: &dyn Policy, queued: usize) -> String {
+        self.queued.set(queued as i64);
         let sizes = policy.tree_sizes();
         self.worker_state.reset();
         self.selections.reset();

@@ -6,7 +6,6 @@
 //! worker cancels the request.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix_web::http::{header, StatusCode};
@@ -115,9 +114,6 @@ impl GatewayState {
             e.retry_after = Some(1);
             return Err(e);
         }
-        self.metrics
-            .queued
-            .set(self.queued.load(Ordering::Acquire) as i64);
         Ok(QueueTicket(&self.queued))
     }
 }
@@ -334,5 +330,3 @@ pub async fn probe(client: &awc::Client, url: &str, timeout: Duration) -> bool {
         Err(_) => false,
     }
 }
-
-pub type SharedState = Arc<GatewayState>;
