@@ -15,6 +15,5 @@ pub fn citer(pair: Pair, head: RouterHead, threshold: f32) -> LearnedDeferral {
         pair,
         head,
         threshold,
-        defers: |confidence, threshold| confidence < threshold,
     }
 }

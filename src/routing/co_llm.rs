@@ -14,6 +14,5 @@ pub fn co_llm(pair: Pair, head: RouterHead, threshold: f32) -> LearnedDeferral {
         pair,
         head,
         threshold,
-        defers: |gate, threshold| gate > threshold,
     }
 }

@@ -32,6 +32,16 @@ pub enum HeadKind {
 }
 
 impl HeadKind {
+    /// Whether a token scored `score` goes to the LLM at `threshold`: R2R defers at or above
+    /// it, Co-LLM's gate above it, CITER's confidence below it.
+    pub fn defers(self, score: f32, threshold: f32) -> bool {
+        match self {
+            Self::R2r => score >= threshold,
+            Self::CoLlm => score > threshold,
+            Self::Citer => score < threshold,
+        }
+    }
+
     /// The name in file names and flags.
     pub fn name(self) -> &'static str {
         match self {

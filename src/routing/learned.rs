@@ -1,5 +1,6 @@
 //! What the learned routers (R2R, CITER, Co-LLM) share: a [`RouterHead`] scores every token
-//! the SLM samples, a per-algorithm rule turns the score into "the LLM produces this token",
+//! the SLM samples, the head kind's rule (`HeadKind::defers`) turns the score into "the LLM
+//! produces this token",
 //! and the LLM, after producing it, hands the request straight back. The SLM's token is
 //! dropped when deferring (the LLM regenerates that position); the LLM's is kept.
 
@@ -15,8 +16,6 @@ pub struct LearnedDeferral {
     pub pair: Pair,
     pub head: RouterHead,
     pub threshold: f32,
-    /// Whether a score defers to the LLM at this threshold.
-    pub defers: fn(score: f32, threshold: f32) -> bool,
 }
 
 impl LearnedDeferral {
@@ -62,7 +61,9 @@ impl RoutingAlgorithm for LearnedDeferral {
         }
         let scores = self.scores(features, batch.len());
         route_rows(batch, out, |i, _| match scores.get(i) {
-            Some(&s) if (self.defers)(s, self.threshold) => Route::Move(self.pair.llm),
+            Some(&s) if self.head.config.kind.defers(s, self.threshold) => {
+                Route::Move(self.pair.llm)
+            }
             _ => Route::Stay,
         });
     }

@@ -16,6 +16,5 @@ pub fn r2r(pair: Pair, head: RouterHead, threshold: f32) -> LearnedDeferral {
         pair,
         head,
         threshold,
-        defers: |score, threshold| score >= threshold,
     }
 }

@@ -253,15 +253,6 @@ pub fn train(
     Ok((head, vars, report))
 }
 
-/// Whether a head of `kind` sends a token with `score` to the LLM at `threshold`.
-pub fn defers(kind: HeadKind, score: f32, threshold: f32) -> bool {
-    match kind {
-        HeadKind::R2r => score >= threshold,
-        HeadKind::Citer => score < threshold,
-        HeadKind::CoLlm => score > threshold,
-    }
-}
-
 /// The threshold at which about `share` of `scores` defer (scores ordered so that deferring
 /// ones come first).
 fn threshold_for_count(kind: HeadKind, ordered: &[f32], count: usize) -> f32 {
@@ -307,7 +298,7 @@ fn evaluate(
     );
     let need = (positive_scores.len() as f64 * settings.target_recall).ceil() as usize;
     let threshold = threshold_for_count(kind, &positive_scores, need);
-    let deferred: Vec<bool> = scores.iter().map(|&s| defers(kind, s, threshold)).collect();
+    let deferred: Vec<bool> = scores.iter().map(|&s| kind.defers(s, threshold)).collect();
     let hits = deferred
         .iter()
         .zip(&labels)
