@@ -247,26 +247,16 @@ fn workers_can_be_added_and_removed_at_runtime() {
         .map(|_| served_by(&gw.post("/generate", r#"{"text": "q"}"#)))
         .collect();
     assert!(served.contains(&"a".to_string()) && served.contains(&"b".to_string()));
-    let removed = request(
-        gw.port,
-        "DELETE",
-        &format!("/workers?url={}", a.url),
-        None,
-        &[],
-    )
-    .unwrap();
+    let remove_a = || {
+        let path = format!("/workers?url={}", a.url);
+        request(gw.port, "DELETE", &path, None, &[]).unwrap()
+    };
+    let removed = remove_a();
     assert_eq!(removed.status, 200, "{}", removed.body);
     for _ in 0..3 {
         assert_eq!(served_by(&gw.post("/generate", r#"{"text": "q"}"#)), "b");
     }
-    let again = request(
-        gw.port,
-        "DELETE",
-        &format!("/workers?url={}", a.url),
-        None,
-        &[],
-    )
-    .unwrap();
+    let again = remove_a();
     assert_eq!(again.status, 404);
     let bad = gw.post("/workers", r#"{"url": "ftp://nowhere"}"#);
     assert_eq!(bad.status, 400);
