@@ -10,6 +10,7 @@ use super::kv_cache::KvCache;
 use super::runner::{logits_row, step, Sequence};
 use super::sampler::argmax;
 use super::Model;
+use super::weights::BATCHED_MIN_ROWS;
 
 /// What one measurement runs: prompts of `prompt_len` random ids, then `decode_steps` greedy
 /// steps.
@@ -73,11 +74,14 @@ pub fn measure(model: &Model, batch: usize, work: &Workload) -> Result<Throughpu
     })
 }
 
-/// One prefill and one decode step before timing: weight repacking and thread-pool start-up
-/// happen lazily on first use and would otherwise be charged to the first batch size.
+/// One prefill and one decode step before timing: weight repacking (candle's, for the
+/// batched K-quant path: the prefill is long enough to take it) and thread-pool start-up
+/// happen lazily on first use and would otherwise be charged to the first batch size, or to
+/// a server's first request.
 pub fn warm_up(model: &Model) -> Result<()> {
     let mut kv = KvCache::with_capacity(model.config(), 16, 32)?;
-    let mut seq = Sequence::new(vec![1, 2, 3, 4]);
+    let prompt = (1..=BATCHED_MIN_ROWS.max(4) as u32).collect();
+    let mut seq = Sequence::new(prompt);
     step(model, &mut kv, &mut [&mut seq], false)?;
     seq.tokens.push(5);
     step(model, &mut kv, &mut [&mut seq], false)?;

@@ -9,7 +9,7 @@ use candle_core::{Module, Tensor};
 
 use super::error::{ModelError, Result};
 use crate::kernels::qmatmul::{
-    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, QuantMatrix, WeightBlock,
+    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, QuantMatrix, WeightBlock,
 };
 
 pub trait WeightSource {
@@ -27,7 +27,8 @@ pub trait WeightSource {
 /// Kernels for quantized matrices on the CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulBackend {
-    /// Ours (`kernels::qmatmul`) for Q4_0/Q4_1/Q5_0/Q8_0, candle's for the rest.
+    /// Ours (`kernels::qmatmul`) for Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K (candle's repacked
+    /// K-quant kernels for batches of [`BATCHED_MIN_ROWS`] rows or more), candle's for the rest.
     Native,
     /// candle's for every type: the in-run baseline of `bench-model`.
     Candle,
@@ -66,7 +67,7 @@ impl Weight {
     pub fn matmul(&self, backend: MatmulBackend) -> Result<Matmul> {
         Ok(match self {
             Self::Quantized(q) => match own_kernel(q, backend)? {
-                Some(kernel) => Matmul::Own(kernel),
+                Some(own) => own,
                 None => Matmul::Candle(QMatMul::from_arc(q.clone())?),
             },
             Self::Dense(t) => Matmul::Candle(QMatMul::Tensor(t.clone())),
@@ -85,8 +86,17 @@ impl Weight {
 /// A weight matrix ready to multiply.
 pub enum Matmul {
     Candle(QMatMul),
-    Own(Box<dyn OwnKernel>),
+    /// Ours; batches of more than [`BATCHED_MIN_ROWS`] - 1 rows go to `batched` where there is
+    /// one (candle's repacking kernels for the K-quants, faster than ours from there on).
+    Own {
+        kernel: Box<dyn OwnKernel>,
+        batched: Option<QMatMul>,
+    },
 }
+
+/// Rows from which a K-quant matmul takes candle's repacked kernel instead of ours (measured
+/// with `examples/qmatmul_vs_candle.rs`: ours is faster up to 4 rows, candle's from 8).
+pub const BATCHED_MIN_ROWS: usize = 8;
 
 /// Our quantized kernel, whatever its block format.
 pub trait OwnKernel: Send + Sync {
@@ -107,36 +117,72 @@ impl<B: WeightBlock> OwnKernel for QuantMatrix<B> {
     }
 }
 
-fn own_kernel(q: &QTensor, backend: MatmulBackend) -> Result<Option<Box<dyn OwnKernel>>> {
+/// A CPU tensor's quantized bytes, shared with candle rather than copied.
+struct TensorBytes(Arc<QTensor>);
+
+impl AsRef<[u8]> for TensorBytes {
+    fn as_ref(&self) -> &[u8] {
+        match self.0.data() {
+            Ok(std::borrow::Cow::Borrowed(bytes)) => bytes,
+            // Only host storage is borrowed; anything else has no bytes to read in place,
+            // and `QuantMatrix::in_place` then refuses the tensor.
+            _ => &[],
+        }
+    }
+}
+
+fn own_kernel(q: &Arc<QTensor>, backend: MatmulBackend) -> Result<Option<Matmul>> {
     if backend == MatmulBackend::Candle || !q.device().is_cpu() {
         return Ok(None);
     }
     let Ok((rows, cols)) = q.shape().dims2() else {
         return Ok(None);
     };
-    let bytes = q.data()?;
-    fn boxed<B: WeightBlock>(m: Option<QuantMatrix<B>>) -> Option<Box<dyn OwnKernel>> {
-        m.map(|m| Box::new(m) as Box<dyn OwnKernel>)
+    fn boxed<B: WeightBlock>(
+        q: &Arc<QTensor>,
+        rows: usize,
+        cols: usize,
+    ) -> Option<Box<dyn OwnKernel>> {
+        QuantMatrix::<B>::in_place(rows, cols, TensorBytes(q.clone()))
+            .map(|m| Box::new(m) as Box<dyn OwnKernel>)
     }
-    Ok(match q.dtype() {
-        GgmlDType::Q4_0 => boxed(QuantMatrix::<BlockQ4_0>::from_bytes(rows, cols, &bytes)),
-        GgmlDType::Q4_1 => boxed(QuantMatrix::<BlockQ4_1>::from_bytes(rows, cols, &bytes)),
-        GgmlDType::Q5_0 => boxed(QuantMatrix::<BlockQ5_0>::from_bytes(rows, cols, &bytes)),
-        GgmlDType::Q8_0 => boxed(QuantMatrix::<BlockQ8_0>::from_bytes(rows, cols, &bytes)),
-        _ => None,
-    })
+    let (kernel, batched) = match q.dtype() {
+        GgmlDType::Q4_0 => (boxed::<BlockQ4_0>(q, rows, cols), false),
+        GgmlDType::Q4_1 => (boxed::<BlockQ4_1>(q, rows, cols), false),
+        GgmlDType::Q5_0 => (boxed::<BlockQ5_0>(q, rows, cols), false),
+        GgmlDType::Q8_0 => (boxed::<BlockQ8_0>(q, rows, cols), false),
+        GgmlDType::Q4K => (boxed::<BlockQ4K>(q, rows, cols), true),
+        GgmlDType::Q6K => (boxed::<BlockQ6K>(q, rows, cols), true),
+        _ => (None, false),
+    };
+    let Some(kernel) = kernel else {
+        return Ok(None);
+    };
+    let batched = if batched {
+        Some(QMatMul::from_arc(q.clone())?)
+    } else {
+        None
+    };
+    Ok(Some(Matmul::Own { kernel, batched }))
 }
 
 impl Matmul {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Self::Candle(m) => Ok(m.forward(x)?),
-            Self::Own(k) => {
-                let rows = x.elem_count() / k.in_features();
+            Self::Own { kernel, batched } => {
+                let rows = x.elem_count() / kernel.in_features();
+                if let Some(candle) = batched.as_ref().filter(|_| rows >= BATCHED_MIN_ROWS) {
+                    return Ok(candle.forward(x)?);
+                }
                 let input = x.flatten_all()?.to_vec1::<f32>()?;
-                let mut out = vec![0f32; rows * k.out_features()];
-                k.matmul(&input, &mut out);
-                Ok(Tensor::from_vec(out, (rows, k.out_features()), x.device())?)
+                let mut out = vec![0f32; rows * kernel.out_features()];
+                kernel.matmul(&input, &mut out);
+                Ok(Tensor::from_vec(
+                    out,
+                    (rows, kernel.out_features()),
+                    x.device(),
+                )?)
             }
         }
     }

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{ActBlock, WeightBlock};
+use super::WeightBlock;
 
 /// Low nibbles in bytes 0..16, high nibbles in bytes 16..32.
 #[inline(always)]
@@ -35,9 +35,9 @@ unsafe fn hsum(x: __m256) -> f32 {
     _mm_cvtss_f32(r)
 }
 
-/// Eight partial sums of `w · a` as floats; `w` signed (or unsigned when `UNSIGNED`).
+/// Eight partial sums of `w · a` as floats; `w` signed (or unsigned when `unsigned`).
 #[inline(always)]
-unsafe fn dot_i8(w: __m256i, a: __m256i, unsigned: bool) -> __m256 {
+pub(super) unsafe fn dot_i8(w: __m256i, a: __m256i, unsigned: bool) -> __m256 {
     let pairs = if unsigned {
         _mm256_maddubs_epi16(w, a)
     } else {
@@ -47,7 +47,7 @@ unsafe fn dot_i8(w: __m256i, a: __m256i, unsigned: bool) -> __m256 {
 }
 
 #[inline(always)]
-unsafe fn f16_to_f32(bits: u16) -> f32 {
+pub(super) unsafe fn f16_to_f32(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
@@ -56,7 +56,7 @@ unsafe fn f16_to_f32(bits: u16) -> f32 {
 pub(super) unsafe fn dot_tile<B: WeightBlock>(
     w: &[B],
     cols: usize,
-    acts: &[ActBlock],
+    acts: &[B::Act],
     kb: usize,
     sums: &mut [f32],
 ) {
@@ -77,34 +77,30 @@ pub(super) unsafe fn dot_tile<B: WeightBlock>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_block<B: WeightBlock, const C: usize, const T: usize>(
     w: &[B],
-    acts: &[ActBlock],
+    acts: &[B::Act],
     kb: usize,
     sums: &mut [f32],
 ) {
     let mut acc = [[_mm256_setzero_ps(); T]; C];
     let mut offsets = [[0f32; T]; C];
+    // The next tile's weight rows, one block per step: rows are a few hundred bytes, too
+    // short for the hardware prefetcher to pick each one up in time. Prefetches never fault,
+    // so running past the end of the matrix is harmless.
+    let next = w.as_ptr().wrapping_add(C * kb) as *const i8;
     for b in 0..kb {
-        let mut av = [_mm256_setzero_si256(); T];
-        let mut ad = [0f32; T];
-        for r in 0..T {
-            let ab = acts.get_unchecked(r * kb + b);
-            av[r] = _mm256_load_si256(ab.qs.as_ptr() as *const __m256i);
-            ad[r] = ab.d;
+        for c in 0..C {
+            let block = next.wrapping_add((c * kb + b) * std::mem::size_of::<B>());
+            for line in (0..std::mem::size_of::<B>()).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(line));
+            }
+        }
+        let mut rows = [acts.get_unchecked(b); T];
+        for (r, row) in rows.iter_mut().enumerate().skip(1) {
+            *row = acts.get_unchecked(r * kb + b);
         }
         for c in 0..C {
-            let wb = w.get_unchecked(c * kb + b);
-            let wv = wb.unpack_avx2();
-            let d = f16_to_f32(wb.d_bits());
-            for r in 0..T {
-                let p = dot_i8(wv, av[r], B::UNSIGNED);
-                acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ad[r]), p, acc[c][r]);
-            }
-            if B::UNSIGNED {
-                let m = f16_to_f32(wb.m_bits());
-                for (r, offset) in offsets[c].iter_mut().enumerate() {
-                    *offset += m * acts.get_unchecked(r * kb + b).s;
-                }
-            }
+            w.get_unchecked(c * kb + b)
+                .accumulate_avx2::<T>(&rows, &mut acc[c], &mut offsets[c]);
         }
     }
     for c in 0..C {

@@ -1,0 +1,285 @@
+//! The 256-value K-quant formats Q4_K and Q6_K, multiplied with activations quantized in
+//! blocks of 256 with one scale and per-16 sums ([`ActBlockK`], ggml's `q8_K`), so a whole
+//! super-block accumulates in integers and pays one float multiply.
+
+use half::f16;
+
+use super::{ActFormat, WeightBlock};
+
+/// Values per super-block.
+pub const QK_K: usize = 256;
+
+/// 256 activations: `x ≈ d · qs`, and `bsums[k] = Σ qs[16k..16k + 16]`.
+#[repr(C, align(32))]
+#[derive(Clone, Copy)]
+pub struct ActBlockK {
+    pub(super) qs: [i8; QK_K],
+    pub(super) bsums: [i16; 16],
+    pub(super) d: f32,
+}
+
+impl ActFormat for ActBlockK {
+    const LEN: usize = QK_K;
+    const ZERO: Self = Self {
+        qs: [0; QK_K],
+        bsums: [0; 16],
+        d: 0.0,
+    };
+
+    /// `d = amax / 127`, `q = round(x / d)`.
+    fn quantize(x: &[f32], out: &mut Self) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        for (q, &v) in out.qs.iter_mut().zip(x) {
+            *q = (v * id).round() as i8;
+        }
+        for (s, qs) in out.bsums.iter_mut().zip(out.qs.chunks_exact(16)) {
+            *s = qs.iter().map(|&q| q as i16).sum();
+        }
+        out.d = d;
+    }
+
+    fn value(&self, i: usize) -> f32 {
+        self.d * self.qs[i] as f32
+    }
+}
+
+/// 256 values: `d · sc_j · q - dmin · m_j` per 32-value sub-block `j`, with 4-bit `q` and
+/// 6-bit `sc_j`, `m_j` packed into 12 bytes.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockQ4K {
+    d: f16,
+    dmin: f16,
+    scales: [u8; 12],
+    qs: [u8; 128],
+}
+
+/// 256 values: `d · sc_k · (q - 32)` with 6-bit `q` (low 4 bits in `ql`, high 2 in `qh`) and
+/// a signed 8-bit scale `sc_k` per 16 values.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct BlockQ6K {
+    ql: [u8; 128],
+    qh: [u8; 64],
+    scales: [i8; 16],
+    d: f16,
+}
+
+impl BlockQ4K {
+    /// The 6-bit scales (bytes 0..8) and mins (bytes 8..16) of the 8 sub-blocks, unpacked
+    /// from their 12-byte packing (ggml's `get_scale_min_k4`, done four bytes at a time).
+    #[inline(always)]
+    fn scales_and_mins(&self) -> [u32; 4] {
+        const LOW6: u32 = 0x3f3f_3f3f;
+        const LOW4: u32 = 0x0f0f_0f0f;
+        const LOW2: u32 = 0x0303_0303;
+        let word = |i: usize| u32::from_le_bytes(self.scales[4 * i..4 * i + 4].try_into().unwrap());
+        let (a, b, c) = (word(0), word(1), word(2));
+        [
+            a & LOW6,
+            (c & LOW4) | (((a >> 6) & LOW2) << 4),
+            b & LOW6,
+            ((c >> 4) & LOW4) | (((b >> 6) & LOW2) << 4),
+        ]
+    }
+
+    /// The 4-bit values of sub-block `j`: low nibbles of `qs[32(j/2)..]` for even `j`, high
+    /// for odd.
+    fn values(&self, j: usize) -> impl Iterator<Item = i32> + '_ {
+        let shift = 4 * (j % 2);
+        self.qs[32 * (j / 2)..][..32]
+            .iter()
+            .map(move |q| ((q >> shift) & 0x0F) as i32)
+    }
+}
+
+impl WeightBlock for BlockQ4K {
+    const NAME: &'static str = "Q4_K";
+    type Act = ActBlockK;
+    const COLS: usize = 1;
+    const ROWS: usize = 2;
+
+    fn dot(&self, a: &ActBlockK) -> f32 {
+        let sm: [u8; 16] = word_bytes(self.scales_and_mins());
+        let (mut sumi, mut summ) = (0i32, 0i32);
+        for j in 0..8 {
+            let dot: i32 = self
+                .values(j)
+                .zip(&a.qs[32 * j..32 * j + 32])
+                .map(|(w, &x)| w * x as i32)
+                .sum();
+            sumi += sm[j] as i32 * dot;
+            summ += sm[8 + j] as i32 * (a.bsums[2 * j] as i32 + a.bsums[2 * j + 1] as i32);
+        }
+        a.d * (self.d.to_f32() * sumi as f32 - self.dmin.to_f32() * summ as f32)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn accumulate_avx2<const T: usize>(
+        &self,
+        acts: &[&ActBlockK; T],
+        acc: &mut [std::arch::x86_64::__m256; T],
+        _offsets: &mut [f32; T],
+    ) {
+        use super::avx2::f16_to_f32;
+        use std::arch::x86_64::*;
+        let d = f16_to_f32(self.d.to_bits());
+        let dmin = f16_to_f32(self.dmin.to_bits());
+        let [u0, u1, u2, u3] = self.scales_and_mins().map(|u| u as i32);
+        let scales_mins = _mm256_cvtepu8_epi16(_mm_set_epi32(u3, u2, u1, u0));
+        let scales128 = _mm256_castsi256_si128(scales_mins);
+        let scales = _mm256_set_m128i(scales128, scales128);
+        let mins = _mm256_extracti128_si256::<1>(scales_mins);
+        let m4 = _mm256_set1_epi8(0x0F);
+        let mut sumi = [_mm256_setzero_si256(); T];
+        for j in 0..4 {
+            // Scale of sub-block 2j (2j + 1) in every 16-bit lane.
+            let lo = 4 * j as i16;
+            let scale_l = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(lo | ((lo + 1) << 8)));
+            let scale_h =
+                _mm256_shuffle_epi8(scales, _mm256_set1_epi16((lo + 2) | ((lo + 3) << 8)));
+            let bits = _mm256_loadu_si256(self.qs.as_ptr().add(32 * j) as *const __m256i);
+            let q_l = _mm256_and_si256(bits, m4);
+            let q_h = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            for r in 0..T {
+                let x = acts[r].qs.as_ptr().add(64 * j);
+                let x_l = _mm256_load_si256(x as *const __m256i);
+                let x_h = _mm256_load_si256(x.add(32) as *const __m256i);
+                let p_l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q_l, x_l));
+                let p_h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q_h, x_h));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p_l, p_h));
+            }
+        }
+        for r in 0..T {
+            let a = acts[r];
+            let bsums = _mm256_load_si256(a.bsums.as_ptr() as *const __m256i);
+            let sums32 = _mm_hadd_epi16(
+                _mm256_castsi256_si128(bsums),
+                _mm256_extracti128_si256::<1>(bsums),
+            );
+            let summ = _mm256_zextsi128_si256(_mm_madd_epi16(mins, sums32));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_set1_ps(-dmin * a.d),
+                _mm256_cvtepi32_ps(summ),
+                acc[r],
+            );
+        }
+    }
+}
+
+/// Four little-endian words as their 16 bytes.
+fn word_bytes(words: [u32; 4]) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for (chunk, w) in out.chunks_exact_mut(4).zip(words) {
+        chunk.copy_from_slice(&w.to_le_bytes());
+    }
+    out
+}
+
+impl BlockQ6K {
+    /// The 6-bit values (before the -32) of sub-block `4n + k` (`n` the 128-value half, `k`
+    /// in 0..4): the low (k < 2) or high nibbles of `ql[64n + 32(k % 2)..][..32]` and bits
+    /// `2k..2k + 2` of `qh[32n..][..32]`.
+    fn values(&self, sub: usize) -> impl Iterator<Item = i32> + '_ {
+        let (n, k) = (sub / 4, sub % 4);
+        let ql = &self.ql[64 * n + 32 * (k % 2)..][..32];
+        let qh = &self.qh[32 * n..][..32];
+        let lo_shift = 4 * (k / 2);
+        ql.iter()
+            .zip(qh)
+            .map(move |(l, h)| (((l >> lo_shift) & 0x0F) | (((h >> (2 * k)) & 3) << 4)) as i32)
+    }
+}
+
+impl WeightBlock for BlockQ6K {
+    const NAME: &'static str = "Q6_K";
+    type Act = ActBlockK;
+    const COLS: usize = 1;
+    const ROWS: usize = 2;
+
+    fn dot(&self, a: &ActBlockK) -> f32 {
+        let mut sumi = 0i32;
+        for sub in 0..8 {
+            for (i, (w, &x)) in self
+                .values(sub)
+                .zip(&a.qs[32 * sub..32 * sub + 32])
+                .enumerate()
+            {
+                sumi += self.scales[2 * sub + i / 16] as i32 * (w - 32) * x as i32;
+            }
+        }
+        a.d * self.d.to_f32() * sumi as f32
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn accumulate_avx2<const T: usize>(
+        &self,
+        acts: &[&ActBlockK; T],
+        acc: &mut [std::arch::x86_64::__m256; T],
+        _offsets: &mut [f32; T],
+    ) {
+        use super::avx2::f16_to_f32;
+        use std::arch::x86_64::*;
+        let d = f16_to_f32(self.d.to_bits());
+        let scales = _mm_loadu_si128(self.scales.as_ptr() as *const __m128i);
+        let m4 = _mm256_set1_epi8(0x0F);
+        let mut sumi = [_mm256_setzero_si256(); T];
+        for n in 0..2 {
+            let ql1 = _mm256_loadu_si256(self.ql.as_ptr().add(64 * n) as *const __m256i);
+            let ql2 = _mm256_loadu_si256(self.ql.as_ptr().add(64 * n + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(self.qh.as_ptr().add(32 * n) as *const __m256i);
+            let q = [
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), q6k_high(qh, 0)),
+                _mm256_or_si256(_mm256_and_si256(ql2, m4), q6k_high(qh, 2)),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                    q6k_high(qh, 4),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql2, 4), m4),
+                    q6k_high(qh, 6),
+                ),
+            ];
+            for (k, qk) in q.iter().enumerate() {
+                // Scales 2s and 2s + 1 of sub-block s, each over 8 16-bit lanes.
+                let s = (4 * n + k) as u8;
+                let pick = _mm_set_epi64x(
+                    i64::from_ne_bytes([2 * s + 1; 8]),
+                    i64::from_ne_bytes([2 * s; 8]),
+                );
+                let scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick));
+                for r in 0..T {
+                    let x = _mm256_load_si256(
+                        acts[r].qs.as_ptr().add(32 * (4 * n + k)) as *const __m256i
+                    );
+                    let p = _mm256_madd_epi16(scale, _mm256_maddubs_epi16(*qk, x));
+                    sumi[r] = _mm256_add_epi32(sumi[r], p);
+                }
+            }
+        }
+        // The -32 on every value: Σ sc_k · 32 · bsum_k.
+        let scales16 = _mm256_cvtepi8_epi16(scales);
+        for r in 0..T {
+            let a = acts[r];
+            let bsums = _mm256_load_si256(a.bsums.as_ptr() as *const __m256i);
+            let offset = _mm256_slli_epi32(_mm256_madd_epi16(scales16, bsums), 5);
+            let total = _mm256_sub_epi32(sumi[r], offset);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(total), acc[r]);
+        }
+    }
+}
+
+/// Bits `shift..shift + 2` of each byte of `qh`, moved to bits 4..6.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q6k_high(qh: std::arch::x86_64::__m256i, shift: i32) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift));
+    // (qh & 3) << 4 stays inside each byte, so 16-bit shifts are exact.
+    _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(3)), 4)
+}
