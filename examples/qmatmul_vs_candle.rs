@@ -9,7 +9,7 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use tokenrouter::kernels::qmatmul::{
-    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, QuantMatrix, WeightBlock,
+    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, Isa, QuantMatrix, WeightBlock,
 };
 
 fn compare<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize, batches: &[usize]) {
@@ -23,28 +23,41 @@ fn compare<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize, batches: 
         let x = Tensor::randn(0f32, 1.0, (batch, cols), &dev).unwrap();
         let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let mut out = vec![0f32; batch * rows];
-        let (mut best_ours, mut best_candle) = (f64::MAX, f64::MAX);
+        let isas: Vec<Isa> = Isa::available()
+            .into_iter()
+            .filter(|&isa| isa != Isa::Scalar)
+            .collect();
+        let mut best_ours = vec![f64::MAX; isas.len()];
+        let mut best_candle = f64::MAX;
         for _ in 0..30 {
-            let t = Instant::now();
-            for _ in 0..5 {
-                ours.matmul(&xs, &mut out);
+            for (isa, best) in isas.iter().zip(best_ours.iter_mut()) {
+                let t = Instant::now();
+                for _ in 0..5 {
+                    ours.matmul_with(*isa, &xs, &mut out);
+                }
+                *best = best.min(t.elapsed().as_secs_f64() / 5.0);
             }
-            best_ours = best_ours.min(t.elapsed().as_secs_f64() / 5.0);
             let t = Instant::now();
             for _ in 0..5 {
                 candle.forward(&x).unwrap();
             }
             best_candle = best_candle.min(t.elapsed().as_secs_f64() / 5.0);
         }
-        println!(
-            "{} {rows}x{cols} batch {batch:>2}: ours {:>6.0} µs ({:>4.1} GB/s)  candle {:>6.0} µs ({:>4.1} GB/s)  ours is {:.2}x",
-            B::NAME,
-            best_ours * 1e6,
-            gb / best_ours,
+        let mut line = format!("{} {rows}x{cols} batch {batch:>2}:", B::NAME);
+        for (isa, best) in isas.iter().zip(&best_ours) {
+            line += &format!(
+                "  ours {isa:?} {:>6.0} µs ({:>4.1} GB/s, {:.2}x candle)",
+                best * 1e6,
+                gb / best,
+                best_candle / best
+            );
+        }
+        line += &format!(
+            "  candle {:>6.0} µs ({:>4.1} GB/s)",
             best_candle * 1e6,
-            gb / best_candle,
-            best_candle / best_ours
+            gb / best_candle
         );
+        println!("{line}");
     }
 }
 

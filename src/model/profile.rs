@@ -9,8 +9,8 @@ use super::error::Result;
 use super::kv_cache::KvCache;
 use super::runner::{logits_row, step, Sequence};
 use super::sampler::argmax;
-use super::Model;
 use super::weights::BATCHED_MIN_ROWS;
+use super::Model;
 
 /// What one measurement runs: prompts of `prompt_len` random ids, then `decode_steps` greedy
 /// steps.

@@ -35,15 +35,21 @@ unsafe fn hsum(x: __m256) -> f32 {
     _mm_cvtss_f32(r)
 }
 
-/// Eight partial sums of `w · a` as floats; `w` signed (or unsigned when `unsigned`).
+/// Eight partial sums of `w · a` as floats; `w` signed (or unsigned when `unsigned`). With
+/// `VNNI` one `vpdpbusd` replaces the multiply-add pair (and needs AVX-512 VNNI and VL).
 #[inline(always)]
-pub(super) unsafe fn dot_i8(w: __m256i, a: __m256i, unsigned: bool) -> __m256 {
-    let pairs = if unsigned {
-        _mm256_maddubs_epi16(w, a)
+pub(super) unsafe fn dot_i8<const VNNI: bool>(w: __m256i, a: __m256i, unsigned: bool) -> __m256 {
+    let (w, a) = if unsigned {
+        (w, a)
     } else {
-        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
+        (_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
     };
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    let sums = if VNNI {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a)
+    } else {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1))
+    };
+    _mm256_cvtepi32_ps(sums)
 }
 
 #[inline(always)]
@@ -51,61 +57,76 @@ pub(super) unsafe fn f16_to_f32(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
-/// Dispatches on the tile shape so each variant keeps its accumulators in registers.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_tile<B: WeightBlock>(
-    w: &[B],
-    cols: usize,
-    acts: &[B::Act],
-    kb: usize,
-    sums: &mut [f32],
-) {
-    match (cols, sums.len() / cols) {
-        (4, 1) => dot_block::<B, 4, 1>(w, acts, kb, sums),
-        (4, 2) => dot_block::<B, 4, 2>(w, acts, kb, sums),
-        (2, 3) => dot_block::<B, 2, 3>(w, acts, kb, sums),
-        (2, 4) => dot_block::<B, 2, 4>(w, acts, kb, sums),
-        (1, 1) => dot_block::<B, 1, 1>(w, acts, kb, sums),
-        (1, 2) => dot_block::<B, 1, 2>(w, acts, kb, sums),
-        (1, 3) => dot_block::<B, 1, 3>(w, acts, kb, sums),
-        (1, 4) => dot_block::<B, 1, 4>(w, acts, kb, sums),
-        _ => super::dot_tile_scalar(w, cols, acts, kb, sums),
-    }
-}
-
-/// `C` weight rows × `T` activation rows; `C * T` independent accumulators.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_block<B: WeightBlock, const C: usize, const T: usize>(
-    w: &[B],
-    acts: &[B::Act],
-    kb: usize,
-    sums: &mut [f32],
-) {
-    let mut acc = [[_mm256_setzero_ps(); T]; C];
-    let mut offsets = [[0f32; T]; C];
-    // The next tile's weight rows, one block per step: rows are a few hundred bytes, too
-    // short for the hardware prefetcher to pick each one up in time. Prefetches never fault,
-    // so running past the end of the matrix is harmless.
-    let next = w.as_ptr().wrapping_add(C * kb) as *const i8;
-    for b in 0..kb {
-        for c in 0..C {
-            let block = next.wrapping_add((c * kb + b) * std::mem::size_of::<B>());
-            for line in (0..std::mem::size_of::<B>()).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(line));
+/// The tile kernels for one instruction set: `$tile` dispatches on the tile shape to
+/// `$block`, which keeps its `C × T` accumulators in registers.
+macro_rules! tile_kernels {
+    ($tile:ident, $block:ident, $features:literal, $vnni:literal) => {
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $tile<B: WeightBlock>(
+            w: &[B],
+            cols: usize,
+            acts: &[B::Act],
+            kb: usize,
+            sums: &mut [f32],
+        ) {
+            match (cols, sums.len() / cols) {
+                (4, 1) => $block::<B, 4, 1>(w, acts, kb, sums),
+                (4, 2) => $block::<B, 4, 2>(w, acts, kb, sums),
+                (2, 3) => $block::<B, 2, 3>(w, acts, kb, sums),
+                (2, 4) => $block::<B, 2, 4>(w, acts, kb, sums),
+                (1, 1) => $block::<B, 1, 1>(w, acts, kb, sums),
+                (1, 2) => $block::<B, 1, 2>(w, acts, kb, sums),
+                (1, 3) => $block::<B, 1, 3>(w, acts, kb, sums),
+                (1, 4) => $block::<B, 1, 4>(w, acts, kb, sums),
+                _ => super::dot_tile_scalar(w, cols, acts, kb, sums),
             }
         }
-        let mut rows = [acts.get_unchecked(b); T];
-        for (r, row) in rows.iter_mut().enumerate().skip(1) {
-            *row = acts.get_unchecked(r * kb + b);
+
+        #[target_feature(enable = $features)]
+        unsafe fn $block<B: WeightBlock, const C: usize, const T: usize>(
+            w: &[B],
+            acts: &[B::Act],
+            kb: usize,
+            sums: &mut [f32],
+        ) {
+            let mut acc = [[_mm256_setzero_ps(); T]; C];
+            let mut offsets = [[0f32; T]; C];
+            // The next tile's weight rows, one block per step: rows are a few hundred bytes,
+            // too short for the hardware prefetcher to pick each one up in time. Prefetches
+            // never fault, so running past the end of the matrix is harmless.
+            let next = w.as_ptr().wrapping_add(C * kb) as *const i8;
+            for b in 0..kb {
+                for c in 0..C {
+                    let block = next.wrapping_add((c * kb + b) * std::mem::size_of::<B>());
+                    for line in (0..std::mem::size_of::<B>()).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(line));
+                    }
+                }
+                let mut rows = [acts.get_unchecked(b); T];
+                for (r, row) in rows.iter_mut().enumerate().skip(1) {
+                    *row = acts.get_unchecked(r * kb + b);
+                }
+                for c in 0..C {
+                    w.get_unchecked(c * kb + b).accumulate_avx2::<T, $vnni>(
+                        &rows,
+                        &mut acc[c],
+                        &mut offsets[c],
+                    );
+                }
+            }
+            for c in 0..C {
+                for r in 0..T {
+                    sums[c * T + r] = hsum(acc[c][r]) + offsets[c][r];
+                }
+            }
         }
-        for c in 0..C {
-            w.get_unchecked(c * kb + b)
-                .accumulate_avx2::<T>(&rows, &mut acc[c], &mut offsets[c]);
-        }
-    }
-    for c in 0..C {
-        for r in 0..T {
-            sums[c * T + r] = hsum(acc[c][r]) + offsets[c][r];
-        }
-    }
+    };
 }
+
+tile_kernels!(dot_tile, dot_block, "avx2,fma,f16c", false);
+tile_kernels!(
+    dot_tile_vnni,
+    dot_block_vnni,
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+    true
+);

@@ -46,7 +46,7 @@ impl<B: SimpleBlock> WeightBlock for B {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn accumulate_avx2<const T: usize>(
+    unsafe fn accumulate_avx2<const T: usize, const VNNI: bool>(
         &self,
         acts: &[&ActBlock; T],
         acc: &mut [std::arch::x86_64::__m256; T],
@@ -58,7 +58,7 @@ impl<B: SimpleBlock> WeightBlock for B {
         let d = f16_to_f32(self.d_bits());
         for r in 0..T {
             let av = _mm256_load_si256(acts[r].qs.as_ptr() as *const __m256i);
-            let p = dot_i8(wv, av, B::UNSIGNED);
+            let p = dot_i8::<VNNI>(wv, av, B::UNSIGNED);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[r].d), p, acc[r]);
         }
         if B::UNSIGNED {

@@ -118,7 +118,7 @@ impl WeightBlock for BlockQ4K {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn accumulate_avx2<const T: usize>(
+    unsafe fn accumulate_avx2<const T: usize, const VNNI: bool>(
         &self,
         acts: &[&ActBlockK; T],
         acc: &mut [std::arch::x86_64::__m256; T],
@@ -217,7 +217,7 @@ impl WeightBlock for BlockQ6K {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn accumulate_avx2<const T: usize>(
+    unsafe fn accumulate_avx2<const T: usize, const VNNI: bool>(
         &self,
         acts: &[&ActBlockK; T],
         acc: &mut [std::arch::x86_64::__m256; T],

@@ -12,8 +12,8 @@
 //!   register tiles of up to [`COL_TILE`] weight rows × [`ROW_TILE`] activation rows, so a
 //!   batch of 16 reads every weight byte from memory once (the rows stay in L1 for the other
 //!   row tiles).
-//! * Runtime dispatch: AVX2+FMA+F16C when the CPU has them, else a portable scalar path with
-//!   the same block arithmetic.
+//! * Runtime dispatch ([`Isa`]): AVX2+FMA+F16C, with AVX-512 VNNI's integer dot products
+//!   where present, else a portable scalar path with the same block arithmetic.
 //! * No allocation per call beyond a thread-local scratch buffer that grows to the largest
 //!   batch seen.
 
@@ -61,13 +61,15 @@ pub trait WeightBlock: Copy + Send + Sync + 'static {
     /// This block · one activation block: the portable path.
     fn dot(&self, a: &Self::Act) -> f32;
     /// Adds this block · `acts[r]` to `acc[r]` (eight partial sums) or `offsets[r]`, for `T`
-    /// activation rows at once. Always inlined into the AVX2 kernels, so the intrinsics
-    /// compile with their target features.
+    /// activation rows at once; `VNNI` lets it use AVX-512 VNNI's 256-bit dot products.
+    /// Always inlined into the SIMD kernels, so the intrinsics compile with their target
+    /// features.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
+    /// The CPU must support AVX2, FMA and F16C, and with `VNNI` also AVX-512 F, BW, VL and
+    /// VNNI.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn accumulate_avx2<const T: usize>(
+    unsafe fn accumulate_avx2<const T: usize, const VNNI: bool>(
         &self,
         acts: &[&Self::Act; T],
         acc: &mut [std::arch::x86_64::__m256; T],
@@ -219,8 +221,14 @@ impl<B: WeightBlock> QuantMatrix<B> {
         (*self.data).as_ref().len()
     }
 
-    /// `out[m × rows] = x[m × cols] · Wᵀ`.
+    /// `out[m × rows] = x[m × cols] · Wᵀ`, with the best instruction set this CPU has.
     pub fn matmul(&self, x: &[f32], out: &mut [f32]) {
+        self.matmul_with(Isa::best(), x, out)
+    }
+
+    /// The same with a chosen instruction set (one of [`Isa::available`]).
+    pub fn matmul_with(&self, isa: Isa, x: &[f32], out: &mut [f32]) {
+        assert!(isa.is_available(), "{isa:?} is not available on this CPU");
         let m = x.len() / self.cols.max(1);
         assert_eq!(
             x.len(),
@@ -236,16 +244,16 @@ impl<B: WeightBlock> QuantMatrix<B> {
             for (row, a) in x.chunks_exact(self.cols).zip(acts.chunks_exact_mut(kb)) {
                 quantize_row(row, a);
             }
-            self.matmul_quantized(acts, m, out);
+            self.matmul_quantized(acts, m, out, isa);
         });
     }
 
-    fn matmul_quantized(&self, acts: &[B::Act], m: usize, out: &mut [f32]) {
+    fn matmul_quantized(&self, acts: &[B::Act], m: usize, out: &mut [f32], isa: Isa) {
         let kb = self.cols / Self::BLOCK;
         let n = self.rows;
         let blocks = self.blocks();
         let out = DisjointOut::new(out);
-        let use_avx2 = has_avx2_fma();
+
         // Work items are groups of COL_TILE output columns.
         for_each_range(n.div_ceil(COL_TILE), |groups| {
             let cols_start = groups.start * COL_TILE;
@@ -260,7 +268,7 @@ impl<B: WeightBlock> QuantMatrix<B> {
                     let cols = if col + group <= cols_end { group } else { 1 };
                     let w = &blocks[col * kb..(col + cols) * kb];
                     let mut sums = [0f32; COL_TILE * ROW_TILE];
-                    dot_tile(w, cols, row_acts, kb, &mut sums[..cols * rows], use_avx2);
+                    dot_tile(w, cols, row_acts, kb, &mut sums[..cols * rows], isa);
                     for r in 0..rows {
                         // SAFETY: columns col..col + cols of row r0 + r belong to this task's
                         // column range only, and lie inside `out` (m × n) by the asserts in
@@ -301,16 +309,58 @@ fn with_scratch<A: ActFormat>(len: usize, f: impl FnOnce(&mut [A])) {
     })
 }
 
-fn has_avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
+/// The instruction sets the kernels have a path for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable Rust, the reference.
+    Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// The AVX2 kernels with AVX-512 VNNI's 256-bit integer dot products (`vpdpbusd`).
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The fastest one this CPU supports (detected once).
+    pub fn best() -> Self {
+        static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| {
+            [Self::Avx512Vnni, Self::Avx2]
+                .into_iter()
+                .find(|isa| isa.is_available())
+                .unwrap_or(Self::Scalar)
+        })
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    /// Every one this CPU supports.
+    pub fn available() -> Vec<Self> {
+        [Self::Scalar, Self::Avx2, Self::Avx512Vnni]
+            .into_iter()
+            .filter(|isa| isa.is_available())
+            .collect()
+    }
+
+    pub fn is_available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            match self {
+                Self::Scalar => true,
+                Self::Avx2 => avx2,
+                Self::Avx512Vnni => {
+                    avx2 && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512vnni")
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Self::Scalar
+        }
     }
 }
 
@@ -323,15 +373,16 @@ fn dot_tile<B: WeightBlock>(
     acts: &[B::Act],
     kb: usize,
     sums: &mut [f32],
-    use_avx2: bool,
+    isa: Isa,
 ) {
+    // SAFETY: `matmul_with` checked that the CPU supports `isa`.
     #[cfg(target_arch = "x86_64")]
-    if use_avx2 {
-        // SAFETY: AVX2, FMA and F16C were detected at run time.
-        unsafe { avx2::dot_tile(w, cols, acts, kb, sums) };
-        return;
+    match isa {
+        Isa::Avx2 => return unsafe { avx2::dot_tile(w, cols, acts, kb, sums) },
+        Isa::Avx512Vnni => return unsafe { avx2::dot_tile_vnni(w, cols, acts, kb, sums) },
+        Isa::Scalar => {}
     }
-    let _ = use_avx2;
+    let _ = isa;
     dot_tile_scalar(w, cols, acts, kb, sums);
 }
 

@@ -1,5 +1,5 @@
 //! Every format against candle's dequantization (an independent implementation of the ggml
-//! layouts) multiplied out in f64, through the dispatched path and the scalar path.
+//! layouts) multiplied out in f64, through every instruction set this CPU has.
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
@@ -96,8 +96,14 @@ fn check<B: WeightBlock>(rows: usize, cols: usize, batch: usize) {
     let x: Vec<f32> = (0..batch * cols)
         .map(|_| rng.random_range(-3.0..3.0))
         .collect();
-    let mut out = vec![f32::NAN; batch * rows];
-    m.matmul(&x, &mut out);
+    let outs: Vec<(Isa, Vec<f32>)> = Isa::available()
+        .into_iter()
+        .map(|isa| {
+            let mut out = vec![f32::NAN; batch * rows];
+            m.matmul_with(isa, &x, &mut out);
+            (isa, out)
+        })
+        .collect();
 
     let kb = cols / B::Act::LEN;
     let mut acts = vec![B::Act::ZERO; batch * kb];
@@ -113,15 +119,23 @@ fn check<B: WeightBlock>(rows: usize, cols: usize, batch: usize) {
             scalar[r * rows + c] = sums[r];
         }
     }
-    for i in 0..out.len() {
+    for i in 0..want.len() {
         let tol = 1e-5 * mag[i] + 1e-4;
-        let (got, s, w) = (out[i] as f64, scalar[i] as f64, want[i]);
+        let w = want[i];
+        for (isa, out) in &outs {
+            let got = out[i] as f64;
+            assert!(
+                (got - w).abs() < tol,
+                "{} {isa:?} {rows}x{cols} b{batch} [{i}]: {got} vs {w} (tolerance {tol})",
+                B::NAME
+            );
+        }
+        let s = scalar[i] as f64;
         assert!(
-            (got - w).abs() < tol,
-            "{} {rows}x{cols} b{batch} [{i}]: {got} vs {w} (tolerance {tol})",
+            (s - w).abs() < tol,
+            "{} scalar tile [{i}]: {s} vs {w}",
             B::NAME
         );
-        assert!((s - w).abs() < tol, "{} scalar [{i}]: {s} vs {w}", B::NAME);
     }
 }
 
@@ -200,4 +214,12 @@ fn k_activation_blocks_keep_their_16_value_sums() {
             "sums {k}"
         );
     }
+}
+
+#[test]
+fn the_best_instruction_set_is_one_this_cpu_has() {
+    let available = Isa::available();
+    assert!(available.contains(&Isa::Scalar));
+    assert!(available.contains(&Isa::best()));
+    eprintln!("instruction sets here: {available:?}");
 }
