@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use report::LevelResult;
-use workload::{chat_body, PrefixShape, Workload};
+use workload::{chat_body, load_prompts, PrefixShape, Workload, DEFAULT_DATASET};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -48,6 +48,12 @@ pub struct BenchArgs {
     /// System prompts (groups) of the shared-prefix workload.
     #[arg(long, default_value_t = 4)]
     prefix_groups: usize,
+    /// Prompts of the human-eval workload: JSONL with a "prompt" field per line.
+    #[arg(long, env = "TOKENROUTER_DATASET", default_value = DEFAULT_DATASET)]
+    dataset: PathBuf,
+    /// The dataset's prompts, read once at start.
+    #[arg(skip)]
+    prompts: Rc<Vec<String>>,
     /// Write every level's results here as JSON.
     #[arg(long)]
     output: Option<PathBuf>,
@@ -80,9 +86,12 @@ pub struct BenchArgs {
     api_key: Option<String>,
 }
 
-pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     if args.concurrency.is_empty() || args.concurrency.contains(&0) {
         anyhow::bail!("--concurrency needs positive levels, e.g. --concurrency 1,4,16");
+    }
+    if args.workload == Workload::HumanEval {
+        args.prompts = Rc::new(load_prompts(&args.dataset)?);
     }
     let results = actix_web::rt::System::new().block_on(async {
         let mut builder = awc::Client::builder().timeout(Duration::from_secs(3600));
@@ -246,6 +255,7 @@ async fn run_level(
                 out.clone(),
             );
             let (workload, seed, max_tokens) = (args.workload, args.seed, args.max_tokens);
+            let prompts = args.prompts.clone();
             let prefix = PrefixShape {
                 words: args.prefix_words,
                 groups: args.prefix_groups,
@@ -254,7 +264,7 @@ async fn run_level(
                 while next.get() < sessions {
                     let i = next.get();
                     next.set(i + 1);
-                    let session = workload.session(i, seed, max_tokens, prefix);
+                    let session = workload.session(i, seed, max_tokens, prefix, &prompts);
                     let mut replies = Vec::new();
                     for turn in 0..session.turns.len() {
                         let body = chat_body(&session, turn, &replies);
