@@ -103,7 +103,7 @@ pub fn run(args: BenchRuntimeArgs) -> anyhow::Result<()> {
 }
 
 /// `n` requests from `concurrency` clients, each sending its next request when one ends.
-async fn run_level(
+pub(super) async fn run_level(
     runtime: &Runtime,
     concurrency: usize,
     n: usize,

@@ -2,18 +2,23 @@
 //! configured model's decode-step latency per batch size on this machine (or reads a saved
 //! profile), takes the routing probabilities from flags or measures them with a short routed
 //! run, and prints the predicted throughput of every threshold vector and the best one per
-//! concurrency.
+//! concurrency. With `--validate K` it also runs the best K vectors (and eager) through the
+//! in-process runtime and prints, and plots, measured beside predicted throughput.
 
 use std::path::PathBuf;
+use std::time::Instant;
 
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use tokenrouter::actors::{load_models, GenerateRequest, Prompt, RequestEvent, Runtime};
-use tokenrouter::config::{Config, Role, SchedulingMode};
+use tokenrouter::config::{Config, Role, SchedulingMode, ThresholdSource};
 use tokenrouter::model::{ChatMessage, LoadedModel, SamplingParams};
 use tokenrouter::tuning::{optimize, Candidate, ChainInputs};
 
 use tokenrouter::model::profile::step_latencies;
+
+use super::bench::chart;
+use super::bench_runtime::run_level;
 
 #[derive(Args)]
 pub struct TuneArgs {
@@ -40,6 +45,16 @@ pub struct TuneArgs {
     /// Model each model on its own device (GPUs) instead of sharing this machine's cores.
     #[arg(long)]
     separate_devices: bool,
+    /// Also measure the best K predicted vectors and eager, B = (1, 1), at each concurrency:
+    /// the runtime in delayed mode, 2N requests from N clients.
+    #[arg(long, default_value_t = 0)]
+    validate: usize,
+    /// Output tokens per request of the validation runs.
+    #[arg(long, default_value_t = 32)]
+    validate_tokens: usize,
+    /// Write the measured-vs-predicted plot of the validation runs here (SVG).
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 /// Decode-step seconds per batch size (index 0: batch 1), per model.
@@ -73,12 +88,13 @@ pub fn run(args: TuneArgs) -> anyhow::Result<()> {
     }
     let (p_up, p_down) = match (args.p_up, args.p_down) {
         (Some(u), Some(d)) => (u, d),
-        _ => measure_routing(&config, models, slm, llm)?,
+        _ => measure_routing(&config, models.clone(), slm, llm)?,
     };
     if !(0.0..=1.0).contains(&p_up) || !(0.0..=1.0).contains(&p_down) {
         anyhow::bail!("--p-up and --p-down are probabilities between 0 and 1");
     }
     eprintln!("routing: P(slm→llm) = {p_up:.3}, P(llm→slm) = {p_down:.3}");
+    let mut to_validate = Vec::new();
     for &n in &args.concurrency {
         let latency = [
             profile.latency[slm][..n.min(profile.latency[slm].len())].to_vec(),
@@ -88,8 +104,125 @@ pub fn run(args: TuneArgs) -> anyhow::Result<()> {
         inputs.shared_compute = !args.separate_devices;
         let (all, best) = optimize(&inputs);
         report(n, &all, best.as_deref(), args.json);
+        to_validate.push((n, validation_candidates(&all, args.validate)));
+    }
+    if args.validate > 0 {
+        let points = validate(&config, &models, &to_validate, args.validate_tokens)?;
+        if let Some(path) = &args.plot {
+            std::fs::write(path, validation_svg(&points))?;
+            eprintln!("wrote {}", path.display());
+        }
     }
     Ok(())
+}
+
+/// The `k` best feasible vectors by prediction, and eager, with their predictions.
+fn validation_candidates(all: &[Candidate], k: usize) -> Vec<(Vec<usize>, f64)> {
+    let mut ranked: Vec<(Vec<usize>, f64)> = all
+        .iter()
+        .filter_map(|(b, r)| r.as_ref().ok().map(|p| (b.clone(), p.tokens_per_s)))
+        .collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let eager = ranked
+        .iter()
+        .find(|(b, _)| b.iter().all(|&t| t == 1))
+        .cloned();
+    ranked.truncate(k);
+    if let Some(eager) = eager.filter(|e| !ranked.contains(e)) {
+        ranked.push(eager);
+    }
+    ranked
+}
+
+/// One measured vector: concurrency, thresholds, predicted and measured tokens/s.
+struct Validated {
+    n: usize,
+    thresholds: Vec<usize>,
+    predicted: f64,
+    measured: f64,
+}
+
+/// Runs every candidate through the runtime in delayed mode and prints measured beside
+/// predicted throughput, and whether the predicted best is the measured best.
+fn validate(
+    config: &Config,
+    models: &[std::sync::Arc<LoadedModel>],
+    candidates: &[(usize, Vec<(Vec<usize>, f64)>)],
+    max_tokens: usize,
+) -> anyhow::Result<Vec<Validated>> {
+    let mut points = Vec::new();
+    actix::System::new().block_on(async {
+        for (n, vectors) in candidates {
+            for (thresholds, predicted) in vectors {
+                let mut config = config.clone();
+                config.scheduler.mode = SchedulingMode::Delayed;
+                config.scheduler.thresholds = ThresholdSource::Fixed;
+                for (model, &b) in config.models.iter_mut().zip(thresholds) {
+                    model.batch_threshold = b;
+                }
+                let runtime = Runtime::start(&config, models.to_vec())?;
+                // One short request first, so lazy set-up is not timed.
+                run_level(&runtime, 1, 1, 4).await?;
+                let started = Instant::now();
+                let done = run_level(&runtime, *n, 2 * n, max_tokens).await?;
+                let tokens: usize = done.iter().map(|s| s.completion_tokens).sum();
+                let measured = tokens as f64 / started.elapsed().as_secs_f64();
+                runtime.stop();
+                eprintln!(
+                    "N = {n}, B = {thresholds:?}: predicted {predicted:.2} tok/s, measured {measured:.2} tok/s"
+                );
+                points.push(Validated {
+                    n: *n,
+                    thresholds: thresholds.clone(),
+                    predicted: *predicted,
+                    measured,
+                });
+            }
+        }
+        anyhow::Ok(())
+    })?;
+    for (n, _) in candidates {
+        let at_n: Vec<&Validated> = points.iter().filter(|p| p.n == *n).collect();
+        let best_by = |key: fn(&Validated) -> f64| {
+            at_n.iter()
+                .max_by(|a, b| key(a).total_cmp(&key(b)))
+                .map(|p| (p.thresholds.clone(), p.measured))
+        };
+        if let (Some((predicted, got)), Some((measured, top))) =
+            (best_by(|p| p.predicted), best_by(|p| p.measured))
+        {
+            println!(
+                "N = {n}: predicted best B = {predicted:?} measured {got:.2} tok/s; measured best B = {measured:?} {top:.2} tok/s ({:.0}% of it)",
+                100.0 * got / top
+            );
+        }
+    }
+    Ok(points)
+}
+
+/// Measured against predicted tokens/s, one line per concurrency, points ordered by
+/// prediction (a perfect model puts them on the diagonal).
+fn validation_svg(points: &[Validated]) -> String {
+    let mut levels: Vec<usize> = points.iter().map(|p| p.n).collect();
+    levels.dedup();
+    let series: Vec<(String, Vec<(f64, f64)>)> = levels
+        .iter()
+        .map(|&n| {
+            let mut xy: Vec<(f64, f64)> = points
+                .iter()
+                .filter(|p| p.n == n)
+                .map(|p| (p.predicted, p.measured))
+                .collect();
+            xy.sort_by(|a, b| a.0.total_cmp(&b.0));
+            (format!("N = {n}"), xy)
+        })
+        .collect();
+    chart(
+        "measured vs predicted throughput per threshold vector",
+        "predicted output tokens/s",
+        "measured output tokens/s",
+        &series,
+    )
 }
 
 fn report(n: usize, all: &[Candidate], best: Option<&[usize]>, json: bool) {

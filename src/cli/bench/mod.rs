@@ -7,6 +7,7 @@
 
 mod client;
 mod report;
+pub(super) use report::chart;
 mod workload;
 
 use std::cell::{Cell, RefCell};

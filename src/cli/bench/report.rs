@@ -139,7 +139,7 @@ fn modes(results: &[LevelResult]) -> Vec<String> {
 }
 
 /// An SVG line chart: one polyline per series of `(x, y)` points, axes from 0.
-fn chart(
+pub(crate) fn chart(
     title: &str,
     x_label: &str,
     y_label: &str,
