@@ -116,9 +116,12 @@ pub fn run(args: TuneArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A threshold vector and its predicted tokens/s.
+type Predicted = (Vec<usize>, f64);
+
 /// The `k` best feasible vectors by prediction, and eager, with their predictions.
-fn validation_candidates(all: &[Candidate], k: usize) -> Vec<(Vec<usize>, f64)> {
-    let mut ranked: Vec<(Vec<usize>, f64)> = all
+fn validation_candidates(all: &[Candidate], k: usize) -> Vec<Predicted> {
+    let mut ranked: Vec<Predicted> = all
         .iter()
         .filter_map(|(b, r)| r.as_ref().ok().map(|p| (b.clone(), p.tokens_per_s)))
         .collect();
@@ -147,7 +150,7 @@ struct Validated {
 fn validate(
     config: &Config,
     models: &[std::sync::Arc<LoadedModel>],
-    candidates: &[(usize, Vec<(Vec<usize>, f64)>)],
+    candidates: &[(usize, Vec<Predicted>)],
     max_tokens: usize,
 ) -> anyhow::Result<Vec<Validated>> {
     let mut points = Vec::new();

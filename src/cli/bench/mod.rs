@@ -204,11 +204,15 @@ async fn run_levels(
     mode: &str,
 ) -> anyhow::Result<Vec<LevelResult>> {
     let mut results = Vec::new();
+    // Each level sends sessions of its own, so a later level does not find the earlier
+    // levels' prompts in the server's prefix cache.
+    let mut first = 0;
     for &c in &args.concurrency {
         let sessions = args.num_requests.unwrap_or(2 * c).max(1);
         let before = prefix_counters(client, url).await;
         let started = Instant::now();
-        let (samples, failed) = run_level(client, url, args, c, sessions).await;
+        let (samples, failed) = run_level(client, url, args, c, first..first + sessions).await;
+        first += sessions;
         let mut r = report::summarize(
             mode,
             c,
@@ -234,15 +238,16 @@ async fn run_levels(
     Ok(results)
 }
 
-/// `sessions` sessions from `concurrency` clients; each client starts its next session when
+/// Sessions `indices` from `concurrency` clients; each client starts its next session when
 /// the last turn of the previous one has ended.
 async fn run_level(
     client: &awc::Client,
     url: &str,
     args: &BenchArgs,
     concurrency: usize,
-    sessions: usize,
+    indices: std::ops::Range<usize>,
 ) -> (Vec<client::Sample>, Vec<String>) {
+    let (first, sessions) = (indices.start, indices.len());
     let next = Rc::new(Cell::new(0usize));
     let done = Rc::new(Cell::new(0usize));
     let out = Rc::new(RefCell::new((Vec::new(), Vec::new())));
@@ -265,7 +270,7 @@ async fn run_level(
                 while next.get() < sessions {
                     let i = next.get();
                     next.set(i + 1);
-                    let session = workload.session(i, seed, max_tokens, prefix, &prompts);
+                    let session = workload.session(first + i, seed, max_tokens, prefix, &prompts);
                     let mut replies = Vec::new();
                     for turn in 0..session.turns.len() {
                         let body = chat_body(&session, turn, &replies);
