@@ -86,7 +86,7 @@ impl Weight {
 /// A weight matrix ready to multiply.
 pub enum Matmul {
     Candle(QMatMul),
-    /// Ours; batches of more than [`BATCHED_MIN_ROWS`] - 1 rows go to `batched` where there is
+    /// Ours; batches of [`BATCHED_MIN_ROWS`] rows or more go to `batched` where there is
     /// one (candle's repacking kernels for the K-quants, faster than ours from there on).
     Own {
         kernel: Box<dyn OwnKernel>,
