@@ -71,18 +71,23 @@ impl BlockQ4K {
     /// The 6-bit scales (bytes 0..8) and mins (bytes 8..16) of the 8 sub-blocks, unpacked
     /// from their 12-byte packing (ggml's `get_scale_min_k4`, done four bytes at a time).
     #[inline(always)]
-    fn scales_and_mins(&self) -> [u32; 4] {
+    fn scales_and_mins(&self) -> [u8; 16] {
         const LOW6: u32 = 0x3f3f_3f3f;
         const LOW4: u32 = 0x0f0f_0f0f;
         const LOW2: u32 = 0x0303_0303;
         let word = |i: usize| u32::from_le_bytes(self.scales[4 * i..4 * i + 4].try_into().unwrap());
         let (a, b, c) = (word(0), word(1), word(2));
-        [
+        let words = [
             a & LOW6,
             (c & LOW4) | (((a >> 6) & LOW2) << 4),
             b & LOW6,
             ((c >> 4) & LOW4) | (((b >> 6) & LOW2) << 4),
-        ]
+        ];
+        let mut bytes = [0u8; 16];
+        for (chunk, w) in bytes.chunks_exact_mut(4).zip(words) {
+            chunk.copy_from_slice(&w.to_le_bytes());
+        }
+        bytes
     }
 
     /// The 4-bit values of sub-block `j`: low nibbles of `qs[32(j/2)..]` for even `j`, high
@@ -102,7 +107,7 @@ impl WeightBlock for BlockQ4K {
     const ROWS: usize = 2;
 
     fn dot(&self, a: &ActBlockK) -> f32 {
-        let sm: [u8; 16] = word_bytes(self.scales_and_mins());
+        let sm = self.scales_and_mins();
         let (mut sumi, mut summ) = (0i32, 0i32);
         for j in 0..8 {
             let dot: i32 = self
@@ -128,8 +133,8 @@ impl WeightBlock for BlockQ4K {
         use std::arch::x86_64::*;
         let d = f16_to_f32(self.d.to_bits());
         let dmin = f16_to_f32(self.dmin.to_bits());
-        let [u0, u1, u2, u3] = self.scales_and_mins().map(|u| u as i32);
-        let scales_mins = _mm256_cvtepu8_epi16(_mm_set_epi32(u3, u2, u1, u0));
+        let sm = self.scales_and_mins();
+        let scales_mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(sm.as_ptr() as *const __m128i));
         let scales128 = _mm256_castsi256_si128(scales_mins);
         let scales = _mm256_set_m128i(scales128, scales128);
         let mins = _mm256_extracti128_si256::<1>(scales_mins);
@@ -169,15 +174,6 @@ impl WeightBlock for BlockQ4K {
             );
         }
     }
-}
-
-/// Four little-endian words as their 16 bytes.
-fn word_bytes(words: [u32; 4]) -> [u8; 16] {
-    let mut out = [0u8; 16];
-    for (chunk, w) in out.chunks_exact_mut(4).zip(words) {
-        chunk.copy_from_slice(&w.to_le_bytes());
-    }
-    out
 }
 
 impl BlockQ6K {

@@ -223,12 +223,18 @@ impl<B: WeightBlock> QuantMatrix<B> {
 
     /// `out[m × rows] = x[m × cols] · Wᵀ`, with the best instruction set this CPU has.
     pub fn matmul(&self, x: &[f32], out: &mut [f32]) {
-        self.matmul_with(Isa::best(), x, out)
+        // `best` only returns an instruction set the CPU has.
+        self.run(Isa::best(), x, out)
     }
 
     /// The same with a chosen instruction set (one of [`Isa::available`]).
     pub fn matmul_with(&self, isa: Isa, x: &[f32], out: &mut [f32]) {
         assert!(isa.is_available(), "{isa:?} is not available on this CPU");
+        self.run(isa, x, out)
+    }
+
+    /// `matmul` with an instruction set known to be available.
+    fn run(&self, isa: Isa, x: &[f32], out: &mut [f32]) {
         let m = x.len() / self.cols.max(1);
         assert_eq!(
             x.len(),
@@ -375,7 +381,7 @@ fn dot_tile<B: WeightBlock>(
     sums: &mut [f32],
     isa: Isa,
 ) {
-    // SAFETY: `matmul_with` checked that the CPU supports `isa`.
+    // SAFETY: `isa` is one the CPU supports (`Isa::best`, or checked by `matmul_with`).
     #[cfg(target_arch = "x86_64")]
     match isa {
         Isa::Avx2 => return unsafe { avx2::dot_tile(w, cols, acts, kb, sums) },
