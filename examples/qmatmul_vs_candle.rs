@@ -71,6 +71,9 @@ fn main() {
         // The 1.5B model's FFN up-projection.
         compare::<BlockQ4K>(GgmlDType::Q4K, 8960, 1536, &batches);
         compare::<BlockQ6K>(GgmlDType::Q6K, 8960, 1536, &batches);
+        // Its down-projection: long rows, activations no longer fit in L1.
+        compare::<BlockQ4K>(GgmlDType::Q4K, 1536, 8960, &batches);
+        compare::<BlockQ6K>(GgmlDType::Q6K, 1536, 8960, &batches);
     }
     if which.is_empty() || which == "simple" {
         // The 0.5B model's FFN up-projection.

@@ -9,7 +9,6 @@ use super::error::Result;
 use super::kv_cache::KvCache;
 use super::runner::{logits_row, step, Sequence};
 use super::sampler::argmax;
-use super::weights::BATCHED_MIN_ROWS;
 use super::Model;
 
 /// What one measurement runs: prompts of `prompt_len` random ids, then `decode_steps` greedy
@@ -74,13 +73,12 @@ pub fn measure(model: &Model, batch: usize, work: &Workload) -> Result<Throughpu
     })
 }
 
-/// One prefill and one decode step before timing: weight repacking (candle's, for the
-/// batched K-quant path: the prefill is long enough to take it) and thread-pool start-up
-/// happen lazily on first use and would otherwise be charged to the first batch size, or to
-/// a server's first request.
+/// One prefill and one decode step before timing: thread-pool start-up, scratch buffers and
+/// (for the matrices candle multiplies) weight repacking happen lazily on first use and would
+/// otherwise be charged to the first batch size, or to a server's first request.
 pub fn warm_up(model: &Model) -> Result<()> {
     let mut kv = KvCache::with_capacity(model.config(), 16, 32)?;
-    let prompt = (1..=BATCHED_MIN_ROWS.max(4) as u32).collect();
+    let prompt = (1..=8).collect();
     let mut seq = Sequence::new(prompt);
     step(model, &mut kv, &mut [&mut seq], false)?;
     seq.tokens.push(5);

@@ -27,8 +27,7 @@ pub trait WeightSource {
 /// Kernels for quantized matrices on the CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulBackend {
-    /// Ours (`kernels::qmatmul`) for Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K (candle's repacked
-    /// K-quant kernels for batches of [`BATCHED_MIN_ROWS`] rows or more), candle's for the rest.
+    /// Ours (`kernels::qmatmul`) for Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K, candle's for the rest.
     Native,
     /// candle's for every type: the in-run baseline of `bench-model`.
     Candle,
@@ -86,17 +85,8 @@ impl Weight {
 /// A weight matrix ready to multiply.
 pub enum Matmul {
     Candle(QMatMul),
-    /// Ours; batches of [`BATCHED_MIN_ROWS`] rows or more go to `batched` where there is
-    /// one (candle's repacking kernels for the K-quants, faster than ours from there on).
-    Own {
-        kernel: Box<dyn OwnKernel>,
-        batched: Option<QMatMul>,
-    },
+    Own(Box<dyn OwnKernel>),
 }
-
-/// Rows from which a K-quant matmul takes candle's repacked kernel instead of ours (measured
-/// with `examples/qmatmul_vs_candle.rs`: ours is faster up to 4 rows, candle's from 8).
-pub const BATCHED_MIN_ROWS: usize = 8;
 
 /// Our quantized kernel, whatever its block format.
 pub trait OwnKernel: Send + Sync {
@@ -146,35 +136,24 @@ fn own_kernel(q: &Arc<QTensor>, backend: MatmulBackend) -> Result<Option<Matmul>
         QuantMatrix::<B>::in_place(rows, cols, TensorBytes(q.clone()))
             .map(|m| Box::new(m) as Box<dyn OwnKernel>)
     }
-    let (kernel, batched) = match q.dtype() {
-        GgmlDType::Q4_0 => (boxed::<BlockQ4_0>(q, rows, cols), false),
-        GgmlDType::Q4_1 => (boxed::<BlockQ4_1>(q, rows, cols), false),
-        GgmlDType::Q5_0 => (boxed::<BlockQ5_0>(q, rows, cols), false),
-        GgmlDType::Q8_0 => (boxed::<BlockQ8_0>(q, rows, cols), false),
-        GgmlDType::Q4K => (boxed::<BlockQ4K>(q, rows, cols), true),
-        GgmlDType::Q6K => (boxed::<BlockQ6K>(q, rows, cols), true),
-        _ => (None, false),
-    };
-    let Some(kernel) = kernel else {
-        return Ok(None);
-    };
-    let batched = if batched {
-        Some(QMatMul::from_arc(q.clone())?)
-    } else {
-        None
-    };
-    Ok(Some(Matmul::Own { kernel, batched }))
+    Ok(match q.dtype() {
+        GgmlDType::Q4_0 => boxed::<BlockQ4_0>(q, rows, cols),
+        GgmlDType::Q4_1 => boxed::<BlockQ4_1>(q, rows, cols),
+        GgmlDType::Q5_0 => boxed::<BlockQ5_0>(q, rows, cols),
+        GgmlDType::Q8_0 => boxed::<BlockQ8_0>(q, rows, cols),
+        GgmlDType::Q4K => boxed::<BlockQ4K>(q, rows, cols),
+        GgmlDType::Q6K => boxed::<BlockQ6K>(q, rows, cols),
+        _ => None,
+    }
+    .map(Matmul::Own))
 }
 
 impl Matmul {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Self::Candle(m) => Ok(m.forward(x)?),
-            Self::Own { kernel, batched } => {
+            Self::Own(kernel) => {
                 let rows = x.elem_count() / kernel.in_features();
-                if let Some(candle) = batched.as_ref().filter(|_| rows >= BATCHED_MIN_ROWS) {
-                    return Ok(candle.forward(x)?);
-                }
                 let input = x.flatten_all()?.to_vec1::<f32>()?;
                 let mut out = vec![0f32; rows * kernel.out_features()];
                 kernel.matmul(&input, &mut out);

@@ -74,10 +74,13 @@ macro_rules! tile_kernels {
                 (4, 2) => $block::<B, 4, 2>(w, acts, kb, sums),
                 (2, 3) => $block::<B, 2, 3>(w, acts, kb, sums),
                 (2, 4) => $block::<B, 2, 4>(w, acts, kb, sums),
+                (2, 1) => $block::<B, 2, 1>(w, acts, kb, sums),
+                (2, 2) => $block::<B, 2, 2>(w, acts, kb, sums),
                 (1, 1) => $block::<B, 1, 1>(w, acts, kb, sums),
                 (1, 2) => $block::<B, 1, 2>(w, acts, kb, sums),
                 (1, 3) => $block::<B, 1, 3>(w, acts, kb, sums),
                 (1, 4) => $block::<B, 1, 4>(w, acts, kb, sums),
+                (1, 8) => $block::<B, 1, 8>(w, acts, kb, sums),
                 _ => super::dot_tile_scalar(w, cols, acts, kb, sums),
             }
         }
@@ -106,13 +109,11 @@ macro_rules! tile_kernels {
                 for (r, row) in rows.iter_mut().enumerate().skip(1) {
                     *row = acts.get_unchecked(r * kb + b);
                 }
-                for c in 0..C {
-                    w.get_unchecked(c * kb + b).accumulate_avx2::<T, $vnni>(
-                        &rows,
-                        &mut acc[c],
-                        &mut offsets[c],
-                    );
+                let mut blocks = [w.get_unchecked(b); C];
+                for (c, block) in blocks.iter_mut().enumerate().skip(1) {
+                    *block = w.get_unchecked(c * kb + b);
                 }
+                B::accumulate_avx2::<C, T, $vnni>(&blocks, &rows, &mut acc, &mut offsets);
             }
             for c in 0..C {
                 for r in 0..T {

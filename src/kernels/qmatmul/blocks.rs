@@ -46,25 +46,27 @@ impl<B: SimpleBlock> WeightBlock for B {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn accumulate_avx2<const T: usize, const VNNI: bool>(
-        &self,
+    unsafe fn accumulate_avx2<const C: usize, const T: usize, const VNNI: bool>(
+        blocks: &[&Self; C],
         acts: &[&ActBlock; T],
-        acc: &mut [std::arch::x86_64::__m256; T],
-        offsets: &mut [f32; T],
+        acc: &mut [[std::arch::x86_64::__m256; T]; C],
+        offsets: &mut [[f32; T]; C],
     ) {
         use super::avx2::{dot_i8, f16_to_f32};
         use std::arch::x86_64::*;
-        let wv = self.unpack_avx2();
-        let d = f16_to_f32(self.d_bits());
-        for r in 0..T {
-            let av = _mm256_load_si256(acts[r].qs.as_ptr() as *const __m256i);
-            let p = dot_i8::<VNNI>(wv, av, B::UNSIGNED);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[r].d), p, acc[r]);
-        }
-        if B::UNSIGNED {
-            let m = f16_to_f32(self.m_bits());
+        for c in 0..C {
+            let wv = blocks[c].unpack_avx2();
+            let d = f16_to_f32(blocks[c].d_bits());
             for r in 0..T {
-                offsets[r] += m * acts[r].s;
+                let av = _mm256_load_si256(acts[r].qs.as_ptr() as *const __m256i);
+                let p = dot_i8::<VNNI>(wv, av, B::UNSIGNED);
+                acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[r].d), p, acc[c][r]);
+            }
+            if B::UNSIGNED {
+                let m = f16_to_f32(blocks[c].m_bits());
+                for r in 0..T {
+                    offsets[c][r] += m * acts[r].s;
+                }
             }
         }
     }

@@ -9,6 +9,9 @@ use super::{ActFormat, WeightBlock};
 /// Values per super-block.
 pub const QK_K: usize = 256;
 
+/// The K-quants' register tiles (see [`WeightBlock::TILES`]).
+const K_TILES: &[(usize, usize)] = &[(1, 8), (2, 4), (2, 3), (2, 2), (2, 1)];
+
 /// 256 activations: `x ≈ d · qs`, and `bsums[k] = Σ qs[16k..16k + 16]`.
 #[repr(C, align(32))]
 #[derive(Clone, Copy)]
@@ -103,8 +106,7 @@ impl BlockQ4K {
 impl WeightBlock for BlockQ4K {
     const NAME: &'static str = "Q4_K";
     type Act = ActBlockK;
-    const COLS: usize = 1;
-    const ROWS: usize = 2;
+    const TILES: &'static [(usize, usize)] = K_TILES;
 
     fn dot(&self, a: &ActBlockK) -> f32 {
         let sm = self.scales_and_mins();
@@ -123,55 +125,70 @@ impl WeightBlock for BlockQ4K {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn accumulate_avx2<const T: usize, const VNNI: bool>(
-        &self,
+    unsafe fn accumulate_avx2<const C: usize, const T: usize, const VNNI: bool>(
+        blocks: &[&Self; C],
         acts: &[&ActBlockK; T],
-        acc: &mut [std::arch::x86_64::__m256; T],
-        _offsets: &mut [f32; T],
+        acc: &mut [[std::arch::x86_64::__m256; T]; C],
+        _offsets: &mut [[f32; T]; C],
     ) {
         use super::avx2::f16_to_f32;
         use std::arch::x86_64::*;
-        let d = f16_to_f32(self.d.to_bits());
-        let dmin = f16_to_f32(self.dmin.to_bits());
-        let sm = self.scales_and_mins();
-        let scales_mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(sm.as_ptr() as *const __m128i));
-        let scales128 = _mm256_castsi256_si128(scales_mins);
-        let scales = _mm256_set_m128i(scales128, scales128);
-        let mins = _mm256_extracti128_si256::<1>(scales_mins);
+        // Per weight row: each sub-block's scale in every 16-bit lane, and each min in the
+        // two 16-bit lanes that meet the two per-16 sums of its sub-block.
+        let mut scale = [[_mm256_setzero_si256(); 8]; C];
+        let mut mins = [_mm256_setzero_si256(); C];
+        let mut d = [0f32; C];
+        let mut dmin = [0f32; C];
+        for c in 0..C {
+            let sm = blocks[c].scales_and_mins();
+            let sm = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
+            let scales = _mm256_cvtepu8_epi16(sm);
+            let scales = _mm256_permute2x128_si256::<0>(scales, scales);
+            for (j, s) in scale[c].iter_mut().enumerate() {
+                let lane = 2 * j as i16;
+                *s = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(lane | ((lane + 1) << 8)));
+            }
+            let pairs = _mm_set_epi64x(0x0f0f_0e0e_0d0d_0c0c, 0x0b0b_0a0a_0909_0808);
+            mins[c] = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pairs));
+            d[c] = f16_to_f32(blocks[c].d.to_bits());
+            dmin[c] = f16_to_f32(blocks[c].dmin.to_bits());
+        }
         let m4 = _mm256_set1_epi8(0x0F);
-        let mut sumi = [_mm256_setzero_si256(); T];
-        for j in 0..4 {
-            // Scale of sub-block 2j (2j + 1) in every 16-bit lane.
-            let lo = 4 * j as i16;
-            let scale_l = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(lo | ((lo + 1) << 8)));
-            let scale_h =
-                _mm256_shuffle_epi8(scales, _mm256_set1_epi16((lo + 2) | ((lo + 3) << 8)));
-            let bits = _mm256_loadu_si256(self.qs.as_ptr().add(32 * j) as *const __m256i);
-            let q_l = _mm256_and_si256(bits, m4);
-            let q_h = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+        let mut sumi = [[_mm256_setzero_si256(); T]; C];
+        for (j, x_at) in (0..QK_K).step_by(32).enumerate() {
+            // Sub-block j: the low (even j) or high (odd j) nibbles of 32 bytes.
+            let mut q = [_mm256_setzero_si256(); C];
+            for c in 0..C {
+                let bits =
+                    _mm256_loadu_si256(blocks[c].qs.as_ptr().add(32 * (j / 2)) as *const __m256i);
+                let bits = if j % 2 == 0 {
+                    bits
+                } else {
+                    _mm256_srli_epi16(bits, 4)
+                };
+                q[c] = _mm256_and_si256(bits, m4);
+            }
             for r in 0..T {
-                let x = acts[r].qs.as_ptr().add(64 * j);
-                let x_l = _mm256_load_si256(x as *const __m256i);
-                let x_h = _mm256_load_si256(x.add(32) as *const __m256i);
-                let p_l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q_l, x_l));
-                let p_h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q_h, x_h));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p_l, p_h));
+                let x = _mm256_load_si256(acts[r].qs.as_ptr().add(x_at) as *const __m256i);
+                for c in 0..C {
+                    let p = _mm256_madd_epi16(scale[c][j], _mm256_maddubs_epi16(q[c], x));
+                    sumi[c][r] = _mm256_add_epi32(sumi[c][r], p);
+                }
             }
         }
         for r in 0..T {
             let a = acts[r];
             let bsums = _mm256_load_si256(a.bsums.as_ptr() as *const __m256i);
-            let sums32 = _mm_hadd_epi16(
-                _mm256_castsi256_si128(bsums),
-                _mm256_extracti128_si256::<1>(bsums),
-            );
-            let summ = _mm256_zextsi128_si256(_mm_madd_epi16(mins, sums32));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-            acc[r] = _mm256_fmadd_ps(
-                _mm256_set1_ps(-dmin * a.d),
-                _mm256_cvtepi32_ps(summ),
-                acc[r],
-            );
+            for c in 0..C {
+                let summ = _mm256_madd_epi16(mins[c], bsums);
+                let v = _mm256_fmadd_ps(
+                    _mm256_set1_ps(d[c] * a.d),
+                    _mm256_cvtepi32_ps(sumi[c][r]),
+                    acc[c][r],
+                );
+                acc[c][r] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(-dmin[c] * a.d), _mm256_cvtepi32_ps(summ), v);
+            }
         }
     }
 }
@@ -194,8 +211,7 @@ impl BlockQ6K {
 impl WeightBlock for BlockQ6K {
     const NAME: &'static str = "Q6_K";
     type Act = ActBlockK;
-    const COLS: usize = 1;
-    const ROWS: usize = 2;
+    const TILES: &'static [(usize, usize)] = K_TILES;
 
     fn dot(&self, a: &ActBlockK) -> f32 {
         let mut sumi = 0i32;
@@ -213,59 +229,60 @@ impl WeightBlock for BlockQ6K {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn accumulate_avx2<const T: usize, const VNNI: bool>(
-        &self,
+    unsafe fn accumulate_avx2<const C: usize, const T: usize, const VNNI: bool>(
+        blocks: &[&Self; C],
         acts: &[&ActBlockK; T],
-        acc: &mut [std::arch::x86_64::__m256; T],
-        _offsets: &mut [f32; T],
+        acc: &mut [[std::arch::x86_64::__m256; T]; C],
+        _offsets: &mut [[f32; T]; C],
     ) {
         use super::avx2::f16_to_f32;
         use std::arch::x86_64::*;
-        let d = f16_to_f32(self.d.to_bits());
-        let scales = _mm_loadu_si128(self.scales.as_ptr() as *const __m128i);
         let m4 = _mm256_set1_epi8(0x0F);
-        let mut sumi = [_mm256_setzero_si256(); T];
-        for n in 0..2 {
-            let ql1 = _mm256_loadu_si256(self.ql.as_ptr().add(64 * n) as *const __m256i);
-            let ql2 = _mm256_loadu_si256(self.ql.as_ptr().add(64 * n + 32) as *const __m256i);
-            let qh = _mm256_loadu_si256(self.qh.as_ptr().add(32 * n) as *const __m256i);
-            let q = [
-                _mm256_or_si256(_mm256_and_si256(ql1, m4), q6k_high(qh, 0)),
-                _mm256_or_si256(_mm256_and_si256(ql2, m4), q6k_high(qh, 2)),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                    q6k_high(qh, 4),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(ql2, 4), m4),
-                    q6k_high(qh, 6),
-                ),
-            ];
-            for (k, qk) in q.iter().enumerate() {
-                // Scales 2s and 2s + 1 of sub-block s, each over 8 16-bit lanes.
-                let s = (4 * n + k) as u8;
-                let pick = _mm_set_epi64x(
-                    i64::from_ne_bytes([2 * s + 1; 8]),
-                    i64::from_ne_bytes([2 * s; 8]),
-                );
-                let scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick));
-                for r in 0..T {
-                    let x = _mm256_load_si256(
-                        acts[r].qs.as_ptr().add(32 * (4 * n + k)) as *const __m256i
-                    );
-                    let p = _mm256_madd_epi16(scale, _mm256_maddubs_epi16(*qk, x));
-                    sumi[r] = _mm256_add_epi32(sumi[r], p);
+        let mut sumi = [[_mm256_setzero_si256(); T]; C];
+        for sub in 0..8 {
+            let (n, k) = (sub / 4, sub % 4);
+            let mut q = [_mm256_setzero_si256(); C];
+            let mut scale = [_mm256_setzero_si256(); C];
+            // Scales 2·sub and 2·sub + 1, each over 8 16-bit lanes.
+            let pick = _mm_set_epi64x(
+                i64::from_ne_bytes([2 * sub as u8 + 1; 8]),
+                i64::from_ne_bytes([2 * sub as u8; 8]),
+            );
+            for c in 0..C {
+                let w = blocks[c];
+                let ql =
+                    _mm256_loadu_si256(w.ql.as_ptr().add(64 * n + 32 * (k % 2)) as *const __m256i);
+                let ql = if k < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+                let qh = _mm256_loadu_si256(w.qh.as_ptr().add(32 * n) as *const __m256i);
+                q[c] = _mm256_or_si256(_mm256_and_si256(ql, m4), q6k_high(qh, 2 * k as i32));
+                let scales = _mm_loadu_si128(w.scales.as_ptr() as *const __m128i);
+                scale[c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick));
+            }
+            for r in 0..T {
+                let x = _mm256_load_si256(acts[r].qs.as_ptr().add(32 * sub) as *const __m256i);
+                for c in 0..C {
+                    let p = _mm256_madd_epi16(scale[c], _mm256_maddubs_epi16(q[c], x));
+                    sumi[c][r] = _mm256_add_epi32(sumi[c][r], p);
                 }
             }
         }
-        // The -32 on every value: Σ sc_k · 32 · bsum_k.
-        let scales16 = _mm256_cvtepi8_epi16(scales);
-        for r in 0..T {
-            let a = acts[r];
-            let bsums = _mm256_load_si256(a.bsums.as_ptr() as *const __m256i);
-            let offset = _mm256_slli_epi32(_mm256_madd_epi16(scales16, bsums), 5);
-            let total = _mm256_sub_epi32(sumi[r], offset);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(total), acc[r]);
+        for c in 0..C {
+            let w = blocks[c];
+            // The -32 on every value: Σ sc_k · 32 · bsum_k.
+            let scales16 =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(w.scales.as_ptr() as *const __m128i));
+            let d = f16_to_f32(w.d.to_bits());
+            for r in 0..T {
+                let a = acts[r];
+                let bsums = _mm256_load_si256(a.bsums.as_ptr() as *const __m256i);
+                let offset = _mm256_slli_epi32(_mm256_madd_epi16(scales16, bsums), 5);
+                let total = _mm256_sub_epi32(sumi[c][r], offset);
+                acc[c][r] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(d * a.d),
+                    _mm256_cvtepi32_ps(total),
+                    acc[c][r],
+                );
+            }
         }
     }
 }

@@ -9,9 +9,9 @@
 //!   per-16 sums for the K-quants (ggml's `q8_K`, [`ActBlockK`]), so a K-quant super-block
 //!   accumulates in integers and pays one float multiply.
 //! * Batched: each task (see `kernels::parallel`) owns a range of output columns and computes
-//!   register tiles of up to [`COL_TILE`] weight rows × [`ROW_TILE`] activation rows, so a
-//!   batch of 16 reads every weight byte from memory once (the rows stay in L1 for the other
-//!   row tiles).
+//!   register tiles of up to [`MAX_TILE`] dot products ([`WeightBlock::TILES`]); it takes its
+//!   columns a slice at a time, passing every row tile over one slice while it sits in L2, so
+//!   a batch reads every weight byte from memory once.
 //! * Runtime dispatch ([`Isa`]): AVX2+FMA+F16C, with AVX-512 VNNI's integer dot products
 //!   where present, else a portable scalar path with the same block arithmetic.
 //! * No allocation per call beyond a thread-local scratch buffer that grows to the largest
@@ -31,10 +31,12 @@ pub use kquants::{ActBlockK, BlockQ4K, BlockQ6K, QK_K};
 
 /// Values per block of the 32-value formats.
 pub const QK: usize = 32;
-/// Activation rows that share one unpacked weight block.
-pub const ROW_TILE: usize = 4;
-/// Weight rows processed together (independent accumulators hide FMA latency).
-pub const COL_TILE: usize = 4;
+/// Weight rows a work item covers.
+pub const COL_GROUP: usize = 4;
+/// The most dot products one register tile computes (weight rows × activation rows).
+pub const MAX_TILE: usize = 8;
+/// Bytes of weights a task passes every row tile over before it moves on: well inside L2.
+const WEIGHT_SLICE_BYTES: usize = 96 * 1024;
 
 /// A block of activations quantized to 8 bits, in the layout one weight format multiplies.
 pub trait ActFormat: Copy + Send + Sync + 'static {
@@ -53,27 +55,28 @@ pub trait WeightBlock: Copy + Send + Sync + 'static {
     const NAME: &'static str;
     /// The activation blocks it multiplies, one per weight block.
     type Act: ActFormat;
-    /// Weight rows and activation rows a SIMD tile takes at once (at most [`COL_TILE`] and
-    /// [`ROW_TILE`]). The K-quants take fewer: an unpacked super-block and each row's integer
-    /// sums fill the registers already.
-    const COLS: usize = COL_TILE;
-    const ROWS: usize = ROW_TILE;
+    /// The register tiles the SIMD kernels take, as (weight rows, activation rows), tallest
+    /// first: a row tile is the first whose height fits the rows left, and its columns
+    /// shrink to 1 at the end of a task's range. The 32-value formats unpack a block in a
+    /// few instructions and take wide tiles; the K-quants take tall ones, so the unpacking
+    /// of a super-block's scales is shared by more activation rows.
+    const TILES: &'static [(usize, usize)] = &[(2, 4), (2, 3), (4, 2), (4, 1)];
     /// This block · one activation block: the portable path.
     fn dot(&self, a: &Self::Act) -> f32;
-    /// Adds this block · `acts[r]` to `acc[r]` (eight partial sums) or `offsets[r]`, for `T`
-    /// activation rows at once; `VNNI` lets it use AVX-512 VNNI's 256-bit dot products.
-    /// Always inlined into the SIMD kernels, so the intrinsics compile with their target
-    /// features.
+    /// Adds `blocks[c]` · `acts[r]` to `acc[c][r]` (eight partial sums) or `offsets[c][r]`
+    /// for a tile of `C` weight rows × `T` activation rows; `VNNI` lets it use AVX-512 VNNI's
+    /// 256-bit dot products. Always inlined into the SIMD kernels, so the intrinsics compile
+    /// with their target features.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C, and with `VNNI` also AVX-512 F, BW, VL and
     /// VNNI.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn accumulate_avx2<const T: usize, const VNNI: bool>(
-        &self,
+    unsafe fn accumulate_avx2<const C: usize, const T: usize, const VNNI: bool>(
+        blocks: &[&Self; C],
         acts: &[&Self::Act; T],
-        acc: &mut [std::arch::x86_64::__m256; T],
-        offsets: &mut [f32; T],
+        acc: &mut [[std::arch::x86_64::__m256; T]; C],
+        offsets: &mut [[f32; T]; C],
     );
 }
 
@@ -260,35 +263,53 @@ impl<B: WeightBlock> QuantMatrix<B> {
         let blocks = self.blocks();
         let out = DisjointOut::new(out);
 
-        // Work items are groups of COL_TILE output columns.
-        for_each_range(n.div_ceil(COL_TILE), |groups| {
-            let cols_start = groups.start * COL_TILE;
-            let cols_end = (groups.end * COL_TILE).min(n);
-            for r0 in (0..m).step_by(B::ROWS) {
-                let rows = B::ROWS.min(m - r0);
-                let row_acts = &acts[r0 * kb..(r0 + rows) * kb];
-                // Fewer columns at a time for taller row tiles: accumulators stay in registers.
-                let group = B::COLS.min(if rows <= 2 { COL_TILE } else { COL_TILE / 2 });
-                let mut col = cols_start;
-                while col < cols_end {
-                    let cols = if col + group <= cols_end { group } else { 1 };
-                    let w = &blocks[col * kb..(col + cols) * kb];
-                    let mut sums = [0f32; COL_TILE * ROW_TILE];
-                    dot_tile(w, cols, row_acts, kb, &mut sums[..cols * rows], isa);
-                    for r in 0..rows {
-                        // SAFETY: columns col..col + cols of row r0 + r belong to this task's
-                        // column range only, and lie inside `out` (m × n) by the asserts in
-                        // `matmul`.
-                        let dst = unsafe { out.slice((r0 + r) * n + col, cols) };
-                        for (c, d) in dst.iter_mut().enumerate() {
-                            *d = sums[c * rows + r];
+        // Work items are groups of COL_GROUP output columns. A task's columns are taken a
+        // slice at a time, small enough to stay in L2 while every row tile passes over it
+        // (the row tile's activations stay in L1).
+        let slice_cols = (WEIGHT_SLICE_BYTES / (kb * std::mem::size_of::<B>()).max(1))
+            .max(1)
+            .next_multiple_of(COL_GROUP);
+        for_each_range(n.div_ceil(COL_GROUP), |groups| {
+            let task_end = (groups.end * COL_GROUP).min(n);
+            let mut slice_start = groups.start * COL_GROUP;
+            while slice_start < task_end {
+                let slice_end = (slice_start + slice_cols).min(task_end);
+                let mut r0 = 0;
+                while r0 < m {
+                    let (group, rows) = tile_shape::<B>(m - r0);
+                    let row_acts = &acts[r0 * kb..(r0 + rows) * kb];
+                    let mut col = slice_start;
+                    while col < slice_end {
+                        let cols = if col + group <= slice_end { group } else { 1 };
+                        let w = &blocks[col * kb..(col + cols) * kb];
+                        let mut sums = [0f32; MAX_TILE];
+                        dot_tile(w, cols, row_acts, kb, &mut sums[..cols * rows], isa);
+                        for r in 0..rows {
+                            // SAFETY: columns col..col + cols of row r0 + r belong to this
+                            // task's column range only, and lie inside `out` (m × n) by the
+                            // asserts in `matmul`.
+                            let dst = unsafe { out.slice((r0 + r) * n + col, cols) };
+                            for (c, d) in dst.iter_mut().enumerate() {
+                                *d = sums[c * rows + r];
+                            }
                         }
+                        col += cols;
                     }
-                    col += cols;
+                    r0 += rows;
                 }
+                slice_start = slice_end;
             }
         });
     }
+}
+
+/// The first of `B`'s tiles whose height fits `rows_left`, as (weight rows, activation rows).
+fn tile_shape<B: WeightBlock>(rows_left: usize) -> (usize, usize) {
+    B::TILES
+        .iter()
+        .copied()
+        .find(|&(_, rows)| rows <= rows_left)
+        .unwrap_or((1, 1))
 }
 
 /// Runs `f` on a thread-local buffer of `len` activation blocks (grown, never shrunk, so

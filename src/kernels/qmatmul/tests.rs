@@ -139,11 +139,20 @@ fn check<B: WeightBlock>(rows: usize, cols: usize, batch: usize) {
     }
 }
 
-/// Awkward shapes: one row, row counts that leave column-tile tails, 17 activation rows
-/// (row-tile tail), and an empty batch.
+/// Awkward shapes: one row, row counts that leave column-tile tails, batches that pass
+/// through every row-tile height (17, 14 and 11 leave tails of 1, 2 and 3 rows after tiles of
+/// 8 and 4), and an empty batch.
 fn check_shapes<B: WeightBlock>() {
     let k = B::Act::LEN;
-    for (rows, blocks, batch) in [(1, 1, 1), (7, 2, 17), (33, 3, 4), (64, 8, 16), (5, 1, 0)] {
+    for (rows, blocks, batch) in [
+        (1, 1, 1),
+        (7, 2, 17),
+        (33, 3, 4),
+        (64, 8, 16),
+        (9, 2, 14),
+        (3, 1, 11),
+        (5, 1, 0),
+    ] {
         check::<B>(rows, blocks * k, batch);
     }
 }
