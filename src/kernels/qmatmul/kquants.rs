@@ -133,49 +133,19 @@ impl WeightBlock for BlockQ4K {
     ) {
         use super::avx2::f16_to_f32;
         use std::arch::x86_64::*;
-        // Per weight row: each sub-block's scale in every 16-bit lane, and each min in the
-        // two 16-bit lanes that meet the two per-16 sums of its sub-block.
-        let mut scale = [[_mm256_setzero_si256(); 8]; C];
+        // Each min in the two 16-bit lanes that meet the two per-16 sums of its sub-block.
         let mut mins = [_mm256_setzero_si256(); C];
         let mut d = [0f32; C];
         let mut dmin = [0f32; C];
         for c in 0..C {
             let sm = blocks[c].scales_and_mins();
             let sm = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
-            let scales = _mm256_cvtepu8_epi16(sm);
-            let scales = _mm256_permute2x128_si256::<0>(scales, scales);
-            for (j, s) in scale[c].iter_mut().enumerate() {
-                let lane = 2 * j as i16;
-                *s = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(lane | ((lane + 1) << 8)));
-            }
             let pairs = _mm_set_epi64x(0x0f0f_0e0e_0d0d_0c0c, 0x0b0b_0a0a_0909_0808);
             mins[c] = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pairs));
             d[c] = f16_to_f32(blocks[c].d.to_bits());
             dmin[c] = f16_to_f32(blocks[c].dmin.to_bits());
         }
-        let m4 = _mm256_set1_epi8(0x0F);
-        let mut sumi = [[_mm256_setzero_si256(); T]; C];
-        for (j, x_at) in (0..QK_K).step_by(32).enumerate() {
-            // Sub-block j: the low (even j) or high (odd j) nibbles of 32 bytes.
-            let mut q = [_mm256_setzero_si256(); C];
-            for c in 0..C {
-                let bits =
-                    _mm256_loadu_si256(blocks[c].qs.as_ptr().add(32 * (j / 2)) as *const __m256i);
-                let bits = if j % 2 == 0 {
-                    bits
-                } else {
-                    _mm256_srli_epi16(bits, 4)
-                };
-                q[c] = _mm256_and_si256(bits, m4);
-            }
-            for r in 0..T {
-                let x = _mm256_load_si256(acts[r].qs.as_ptr().add(x_at) as *const __m256i);
-                for c in 0..C {
-                    let p = _mm256_madd_epi16(scale[c][j], _mm256_maddubs_epi16(q[c], x));
-                    sumi[c][r] = _mm256_add_epi32(sumi[c][r], p);
-                }
-            }
-        }
+        let sumi = q4k_sums_256(blocks, acts);
         for r in 0..T {
             let a = acts[r];
             let bsums = _mm256_load_si256(a.bsums.as_ptr() as *const __m256i);
@@ -191,6 +161,53 @@ impl WeightBlock for BlockQ4K {
             }
         }
     }
+}
+
+/// Per weight row × activation row, eight partial sums of `Σ_j sc_j · (q · x)_j` over a
+/// Q4_K super-block, with AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q4k_sums_256<const C: usize, const T: usize>(
+    blocks: &[&BlockQ4K; C],
+    acts: &[&ActBlockK; T],
+) -> [[std::arch::x86_64::__m256i; T]; C] {
+    use std::arch::x86_64::*;
+    // Per weight row: each sub-block's scale in every 16-bit lane.
+    let mut scale = [[_mm256_setzero_si256(); 8]; C];
+    for c in 0..C {
+        let sm = blocks[c].scales_and_mins();
+        let sm = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
+        let scales = _mm256_cvtepu8_epi16(sm);
+        let scales = _mm256_permute2x128_si256::<0>(scales, scales);
+        for (j, s) in scale[c].iter_mut().enumerate() {
+            let lane = 2 * j as i16;
+            *s = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(lane | ((lane + 1) << 8)));
+        }
+    }
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut sumi = [[_mm256_setzero_si256(); T]; C];
+    for (j, x_at) in (0..QK_K).step_by(32).enumerate() {
+        // Sub-block j: the low (even j) or high (odd j) nibbles of 32 bytes.
+        let mut q = [_mm256_setzero_si256(); C];
+        for c in 0..C {
+            let bits =
+                _mm256_loadu_si256(blocks[c].qs.as_ptr().add(32 * (j / 2)) as *const __m256i);
+            let bits = if j % 2 == 0 {
+                bits
+            } else {
+                _mm256_srli_epi16(bits, 4)
+            };
+            q[c] = _mm256_and_si256(bits, m4);
+        }
+        for r in 0..T {
+            let x = _mm256_load_si256(acts[r].qs.as_ptr().add(x_at) as *const __m256i);
+            for c in 0..C {
+                let p = _mm256_madd_epi16(scale[c][j], _mm256_maddubs_epi16(q[c], x));
+                sumi[c][r] = _mm256_add_epi32(sumi[c][r], p);
+            }
+        }
+    }
+    sumi
 }
 
 impl BlockQ6K {
@@ -237,35 +254,7 @@ impl WeightBlock for BlockQ6K {
     ) {
         use super::avx2::f16_to_f32;
         use std::arch::x86_64::*;
-        let m4 = _mm256_set1_epi8(0x0F);
-        let mut sumi = [[_mm256_setzero_si256(); T]; C];
-        for sub in 0..8 {
-            let (n, k) = (sub / 4, sub % 4);
-            let mut q = [_mm256_setzero_si256(); C];
-            let mut scale = [_mm256_setzero_si256(); C];
-            // Scales 2·sub and 2·sub + 1, each over 8 16-bit lanes.
-            let pick = _mm_set_epi64x(
-                i64::from_ne_bytes([2 * sub as u8 + 1; 8]),
-                i64::from_ne_bytes([2 * sub as u8; 8]),
-            );
-            for c in 0..C {
-                let w = blocks[c];
-                let ql =
-                    _mm256_loadu_si256(w.ql.as_ptr().add(64 * n + 32 * (k % 2)) as *const __m256i);
-                let ql = if k < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
-                let qh = _mm256_loadu_si256(w.qh.as_ptr().add(32 * n) as *const __m256i);
-                q[c] = _mm256_or_si256(_mm256_and_si256(ql, m4), q6k_high(qh, 2 * k as i32));
-                let scales = _mm_loadu_si128(w.scales.as_ptr() as *const __m128i);
-                scale[c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick));
-            }
-            for r in 0..T {
-                let x = _mm256_load_si256(acts[r].qs.as_ptr().add(32 * sub) as *const __m256i);
-                for c in 0..C {
-                    let p = _mm256_madd_epi16(scale[c], _mm256_maddubs_epi16(q[c], x));
-                    sumi[c][r] = _mm256_add_epi32(sumi[c][r], p);
-                }
-            }
-        }
+        let sumi = q6k_sums_256(blocks, acts);
         for c in 0..C {
             let w = blocks[c];
             // The -32 on every value: Σ sc_k · 32 · bsum_k.
@@ -285,6 +274,46 @@ impl WeightBlock for BlockQ6K {
             }
         }
     }
+}
+
+/// Per weight row × activation row, eight partial sums of `Σ_k sc_k · (q · x)_k` over a
+/// Q6_K super-block (the -32 left out), with AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q6k_sums_256<const C: usize, const T: usize>(
+    blocks: &[&BlockQ6K; C],
+    acts: &[&ActBlockK; T],
+) -> [[std::arch::x86_64::__m256i; T]; C] {
+    use std::arch::x86_64::*;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut sumi = [[_mm256_setzero_si256(); T]; C];
+    for sub in 0..8 {
+        let (n, k) = (sub / 4, sub % 4);
+        let mut q = [_mm256_setzero_si256(); C];
+        let mut scale = [_mm256_setzero_si256(); C];
+        // Scales 2·sub and 2·sub + 1, each over 8 16-bit lanes.
+        let pick = _mm_set_epi64x(
+            i64::from_ne_bytes([2 * sub as u8 + 1; 8]),
+            i64::from_ne_bytes([2 * sub as u8; 8]),
+        );
+        for c in 0..C {
+            let w = blocks[c];
+            let ql = _mm256_loadu_si256(w.ql.as_ptr().add(64 * n + 32 * (k % 2)) as *const __m256i);
+            let ql = if k < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+            let qh = _mm256_loadu_si256(w.qh.as_ptr().add(32 * n) as *const __m256i);
+            q[c] = _mm256_or_si256(_mm256_and_si256(ql, m4), q6k_high(qh, 2 * k as i32));
+            let scales = _mm_loadu_si128(w.scales.as_ptr() as *const __m128i);
+            scale[c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick));
+        }
+        for r in 0..T {
+            let x = _mm256_load_si256(acts[r].qs.as_ptr().add(32 * sub) as *const __m256i);
+            for c in 0..C {
+                let p = _mm256_madd_epi16(scale[c], _mm256_maddubs_epi16(q[c], x));
+                sumi[c][r] = _mm256_add_epi32(sumi[c][r], p);
+            }
+        }
+    }
+    sumi
 }
 
 /// Bits `shift..shift + 2` of each byte of `qh`, moved to bits 4..6.
