@@ -400,7 +400,7 @@ fn a_panic_in_a_forward_pass_fails_its_requests_with_500_and_marks_health() {
 
 #[test]
 fn a_request_past_the_timeout_gets_504_and_is_cancelled() {
-    let server = TestServer::start("", &["--request-timeout", "0.02"]);
+    let server = TestServer::start("", &["--request-timeout", "0.001"]);
     let body = chat("slow", json!({"max_tokens": 220, "ignore_eos": true}));
     let r = server.post("/v1/chat/completions", &body);
     assert_eq!(r.status, 504, "{}", r.body);
