@@ -34,6 +34,26 @@ pub struct Config {
     pub scheduler: SchedulerSettings,
     #[serde(default)]
     pub server: ServerSettings,
+    #[serde(default)]
+    pub compute: ComputeSettings,
+}
+
+/// How the cores are shared among the models' compute threads.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ComputeSettings {
+    /// For models without `threads`: `shared` (each gets every core; an idle model's threads
+    /// park, so the busy one has the machine) or `by-size` (the cores split between them in
+    /// proportion to their weight bytes, never more threads than cores).
+    pub split: CoreSplit,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CoreSplit {
+    #[default]
+    Shared,
+    BySize,
 }
 
 /// `tokenrouter serve`: where to listen and how much to take on.
@@ -81,6 +101,9 @@ pub struct ModelEntry {
     /// has waited `scheduler.max_wait_ms`).
     #[serde(default = "default_batch_threshold")]
     pub batch_threshold: usize,
+    /// Compute threads of this model's kernels. Unset: as `[compute] split` says.
+    #[serde(default)]
+    pub threads: Option<usize>,
 }
 
 fn default_batch_threshold() -> usize {
@@ -298,6 +321,11 @@ impl Config {
         for (i, m) in self.models.iter().enumerate() {
             if m.batch_threshold == 0 {
                 return Err(format!("models[{i}].batch_threshold must be at least 1"));
+            }
+            if m.threads == Some(0) {
+                return Err(format!(
+                    "models[{i}].threads must be at least 1 (or left out to follow [compute] split)"
+                ));
             }
         }
         self.validate_routing()?;

@@ -7,13 +7,14 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let args = cli::Cli::parse();
+    // Our kernels run on each model's own compute pool (`kernels::parallel`); candle's few
+    // remaining parallel ops (large element-wise maps) then run on the calling model's
+    // thread rather than on a second set of threads spinning on the same cores. Set before
+    // any thread starts.
+    if !args.candle_computes() && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

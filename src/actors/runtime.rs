@@ -193,4 +193,6 @@ impl RequestHandle {
 }
 
 mod start;
+mod threads;
 pub use start::load_models;
+pub use threads::thread_budget;

@@ -32,7 +32,7 @@ pub struct BenchArgs {
     /// Also measure the same model with candle's quantized matmul for every weight type, and
     /// print our speed-up over it.
     #[arg(long)]
-    baseline_candle: bool,
+    pub baseline_candle: bool,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {

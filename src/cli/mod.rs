@@ -49,6 +49,15 @@ enum Command {
     BenchRuntime(bench_runtime::BenchRuntimeArgs),
 }
 
+impl Cli {
+    /// Whether candle's kernels do heavy work in this command (candle's matmul backend, or a
+    /// `bench-model` baseline run), so candle keeps its own compute threads.
+    pub fn candle_computes(&self) -> bool {
+        MatmulBackend::from_env() == MatmulBackend::Candle
+            || matches!(&self.command, Command::BenchModel(args) if args.baseline_candle)
+    }
+}
+
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(args),

@@ -1,13 +1,243 @@
-//! How kernels spread work over threads: candle's persistent barrier pool, in which the calling
-//! thread takes part. Our kernels and candle's then share one set of threads; a second pool
-//! (rayon's) would spin beside it on the same cores between calls.
+//! How kernels spread work over threads: a [`ComputePool`] of persistent workers in which the
+//! calling thread takes part. Each model actor installs a pool of its own on its thread
+//! ([`install`]), so a model's kernels run on its share of the cores and never wait for
+//! another model's; a thread without one uses a process-wide pool over every core.
+//!
+//! Workers spin for a short while after each job (the next matmul of a forward pass follows
+//! within microseconds) and then park, so an idle model's workers leave the cores to the
+//! others. The caller never waits for a worker that has not started: a job is closed when
+//! its items are all taken, and workers that arrive later skip it.
 
+use std::cell::RefCell;
 use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
 
-/// Calls `f` on disjoint ranges that together cover `0..n_items`, in parallel; returns when
-/// all are done. Ranges are handed out from a shared cursor, several per thread.
+/// Spins of a worker waiting for the next job before it parks (tens of microseconds).
+const SPIN_LIMIT: u32 = 20_000;
+
+/// A fixed set of compute threads (the caller plus `threads - 1` workers).
+pub struct ComputePool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// One job at a time.
+    call: Mutex<()>,
+}
+
+struct Shared {
+    /// Bumped for every job; workers wait for it to change.
+    generation: AtomicUsize,
+    /// The newest generation whose job is closed: its items are all taken, its `Job` may be
+    /// gone (and so may every older one's).
+    closed: AtomicUsize,
+    /// Workers inside the current job.
+    active: AtomicUsize,
+    job: AtomicPtr<Job<'static>>,
+    stop: AtomicBool,
+    panicked: AtomicBool,
+}
+
+/// One parallel call: items `0..n` handed out `chunk` at a time from `cursor`.
+struct Job<'a> {
+    f: &'a (dyn Fn(Range<usize>) + Sync),
+    n: usize,
+    chunk: usize,
+    cursor: AtomicUsize,
+}
+
+impl Job<'_> {
+    fn work(&self) {
+        loop {
+            let start = self.cursor.fetch_add(self.chunk, Ordering::Relaxed);
+            if start >= self.n {
+                return;
+            }
+            (self.f)(start..self.n.min(start + self.chunk));
+        }
+    }
+}
+
+thread_local! {
+    /// The pool this thread's kernels use, when it has one of its own.
+    static CURRENT: RefCell<Option<Arc<ComputePool>>> = const { RefCell::new(None) };
+    /// Set while a thread works on a job (pool workers always): a kernel called from inside
+    /// a job runs inline.
+    static IN_JOB: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl ComputePool {
+    /// A pool of `threads` compute threads (at least 1: the caller alone), its workers named
+    /// `{name}-{i}`.
+    pub fn new(threads: usize, name: &str) -> Arc<Self> {
+        let shared = Arc::new(Shared {
+            generation: AtomicUsize::new(0),
+            closed: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            stop: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
+        });
+        let workers = (1..threads.max(1))
+            .map(|i| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("{name}-{i}"))
+                    .spawn(move || worker(&shared))
+                    .expect("cannot start a compute thread")
+            })
+            .collect();
+        Arc::new(Self {
+            shared,
+            workers,
+            call: Mutex::new(()),
+        })
+    }
+
+    /// Compute threads, the caller included.
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Calls `f` on disjoint ranges covering `0..n_items` on this pool's threads; returns
+    /// when all are done. A panic in `f` on any thread panics here.
+    pub fn for_each_range(&self, n_items: usize, f: impl Fn(Range<usize>) + Sync) {
+        if n_items == 0 {
+            return;
+        }
+        if self.workers.is_empty() || n_items == 1 || IN_JOB.with(|w| w.get()) {
+            f(0..n_items);
+            return;
+        }
+        // Several items per thread: fast threads absorb a straggler's share.
+        let chunk = n_items.div_ceil(self.threads() * 4).max(1);
+        let job = Job {
+            f: &f,
+            n: n_items,
+            chunk,
+            cursor: AtomicUsize::new(0),
+        };
+        let _one_job = self.call.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &*self.shared;
+        // SAFETY (of the lifetime change): workers dereference the pointer only while the job
+        // is open and they are counted in `active`; it is closed, and `active` drained, before
+        // `job` goes out of scope below.
+        let ptr = &job as *const Job<'_> as *mut Job<'static>;
+        s.job.store(ptr, Ordering::SeqCst);
+        let generation = s.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        for w in &self.workers {
+            w.thread().unpark();
+        }
+        IN_JOB.with(|w| w.set(true));
+        let mine = catch_unwind(AssertUnwindSafe(|| job.work()));
+        IN_JOB.with(|w| w.set(false));
+        // Every item is taken (ours ran dry): close the job, then wait for the workers
+        // still inside it.
+        s.closed.store(generation, Ordering::SeqCst);
+        while s.active.load(Ordering::SeqCst) != 0 {
+            std::hint::spin_loop();
+        }
+        if let Err(payload) = mine {
+            std::panic::resume_unwind(payload);
+        }
+        if s.panicked.swap(false, Ordering::SeqCst) {
+            panic!("a compute thread panicked in a parallel kernel");
+        }
+    }
+}
+
+fn worker(s: &Shared) {
+    IN_JOB.with(|w| w.set(true));
+    let mut seen = 0;
+    loop {
+        let mut spins = 0u32;
+        let generation = loop {
+            let g = s.generation.load(Ordering::SeqCst);
+            if g != seen {
+                break g;
+            }
+            if s.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            if spins < SPIN_LIMIT {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                // An unpark that came first makes this return at once: no wake-up is lost.
+                std::thread::park();
+            }
+        };
+        seen = generation;
+        s.active.fetch_add(1, Ordering::SeqCst);
+        // The caller closes a job before it waits for `active`; a worker counted after the
+        // close sees it here and leaves the job alone.
+        if s.closed.load(Ordering::SeqCst) < generation {
+            // SAFETY: the job is open and this worker is counted in `active`, so the caller
+            // is still waiting and `Job` is alive.
+            let job = unsafe { &*s.job.load(Ordering::SeqCst) };
+            if catch_unwind(AssertUnwindSafe(|| job.work())).is_err() {
+                s.panicked.store(true, Ordering::SeqCst);
+            }
+        }
+        s.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Drop for ComputePool {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for w in &self.workers {
+            w.thread().unpark();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Makes `pool` the one this thread's kernels use from now on.
+pub fn install(pool: Arc<ComputePool>) {
+    CURRENT.with(|c| *c.borrow_mut() = Some(pool));
+}
+
+/// Runs `f` with `pool` as this thread's pool, then restores the previous one.
+pub fn with_pool<R>(pool: &Arc<ComputePool>, f: impl FnOnce() -> R) -> R {
+    let previous = CURRENT.with(|c| c.borrow_mut().replace(pool.clone()));
+    struct Restore(Option<Arc<ComputePool>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CURRENT.with(|c| *c.borrow_mut() = self.0.take());
+        }
+    }
+    let _restore = Restore(previous);
+    f()
+}
+
+/// The cores our kernels may use: `TOKENROUTER_THREADS` when set, else every core this
+/// process may run on.
+pub fn available_cores() -> usize {
+    std::env::var("TOKENROUTER_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// The pool of threads without one of their own: every core.
+fn process_pool() -> &'static Arc<ComputePool> {
+    static POOL: OnceLock<Arc<ComputePool>> = OnceLock::new();
+    POOL.get_or_init(|| ComputePool::new(available_cores(), "compute"))
+}
+
+/// Calls `f` on disjoint ranges that together cover `0..n_items`, in parallel on this
+/// thread's pool; returns when all are done.
 pub fn for_each_range(n_items: usize, f: impl Fn(Range<usize>) + Sync) {
-    candle_core::utils::barrier_pool().execute_chunked(n_items, f);
+    let pool = CURRENT.with(|c| c.borrow().clone());
+    match pool {
+        Some(pool) => pool.for_each_range(n_items, f),
+        None => process_pool().for_each_range(n_items, f),
+    }
 }
 
 /// A raw output pointer that parallel tasks write through, each to elements no other task
@@ -31,5 +261,76 @@ impl DisjointOut {
     /// be used after the slice the pointer came from.
     pub unsafe fn slice<'a>(self, offset: usize, len: usize) -> &'a mut [f32] {
         std::slice::from_raw_parts_mut(self.0.add(offset), len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every item is visited exactly once, for many job sizes on one pool, back to back.
+    #[test]
+    fn every_item_once() {
+        let pool = ComputePool::new(3, "test");
+        for n in [0usize, 1, 2, 3, 7, 64, 1000, 4097] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.for_each_range(n, |r| {
+                for i in r {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "n = {n}"
+            );
+        }
+    }
+
+    /// Work spreads over the workers (they wake from parking) and the results add up.
+    #[test]
+    fn workers_take_part_after_parking() {
+        let pool = ComputePool::new(2, "test");
+        // Long enough for the worker to park.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let threads = Mutex::new(std::collections::HashSet::new());
+        let sum = AtomicUsize::new(0);
+        pool.for_each_range(64, |r| {
+            threads.lock().unwrap().insert(std::thread::current().id());
+            // Slow items, so the worker wakes before the caller takes them all.
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            sum.fetch_add(r.sum::<usize>(), Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), (0..64).sum::<usize>());
+        assert_eq!(threads.lock().unwrap().len(), 2);
+    }
+
+    /// `with_pool` routes `for_each_range` to the given pool and restores the previous one.
+    #[test]
+    fn with_pool_scopes_the_pool() {
+        let one = ComputePool::new(1, "test");
+        let caller = std::thread::current().id();
+        with_pool(&one, || {
+            for_each_range(100, |_| assert_eq!(std::thread::current().id(), caller));
+        });
+        assert!(CURRENT.with(|c| c.borrow().is_none()));
+    }
+
+    /// A panic in a task reaches the caller, and the pool keeps working.
+    #[test]
+    fn a_panicking_task_panics_the_caller() {
+        let pool = ComputePool::new(2, "test");
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            pool.for_each_range(100, |r| {
+                if r.contains(&57) {
+                    panic!("item 57");
+                }
+            })
+        }));
+        assert!(result.is_err());
+        let sum = AtomicUsize::new(0);
+        pool.for_each_range(10, |r| {
+            sum.fetch_add(r.len(), Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), 10);
     }
 }

@@ -1,7 +1,9 @@
 //! Starting the runtime and talking to it.
 
+use super::threads::thread_budget;
 use super::*;
-use crate::config::{Role, ThresholdSource};
+use crate::config::{CoreSplit, Role, ThresholdSource};
+use crate::kernels::parallel::{available_cores, install, with_pool, ComputePool};
 use crate::model::profile::{step_latencies, warm_up};
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, MAX_TUNED_CONCURRENCY};
 
@@ -69,16 +71,17 @@ impl Runtime {
                 mib = share.bytes >> 20, "KV cache share");
         }
         let s = &config.scheduler;
+        let pools = compute_pools(config, &models);
         // The first forward pass of a model pays for lazy set-up (weight repacking, page
         // faults, thread-pool start); pay it here rather than in the first request's latency.
-        for (entry, model) in config.models.iter().zip(&models) {
-            warm_up(&model.model).map_err(|source| RuntimeError::Model {
+        for ((entry, model), pool) in config.models.iter().zip(&models).zip(&pools) {
+            with_pool(pool, || warm_up(&model.model)).map_err(|source| RuntimeError::Model {
                 name: entry.name.clone(),
                 path: entry.path.clone(),
                 source: Box::new(source),
             })?;
         }
-        let profile = online_profile(config, &models)?;
+        let profile = online_profile(config, &models, &pools)?;
         let mut workers = Vec::new();
         let health: Vec<_> = models
             .iter()
@@ -125,9 +128,11 @@ impl Runtime {
         let max_context = workers.iter().map(ModelWorker::max_len).min().unwrap_or(0);
         let mut arbiters = Vec::new();
         let mut addrs = Vec::new();
-        for worker in workers {
+        for (worker, pool) in workers.into_iter().zip(pools) {
             let arbiter = Arbiter::new();
             addrs.push(ModelActor::start_in_arbiter(&arbiter.handle(), move |_| {
+                // This runs on the actor's thread: its forward passes use its own pool.
+                install(pool);
                 ModelActor::new(worker)
             }));
             arbiters.push(arbiter);
@@ -201,10 +206,34 @@ impl RuntimeShared {
     }
 }
 
+/// One compute pool per model, sized by [`thread_budget`]; the split is logged.
+fn compute_pools(config: &Config, models: &[Arc<LoadedModel>]) -> Vec<Arc<ComputePool>> {
+    let requested: Vec<Option<usize>> = config.models.iter().map(|m| m.threads).collect();
+    let bytes: Vec<usize> = models
+        .iter()
+        .map(|m| m.model.streamed_weight_bytes())
+        .collect();
+    let cores = available_cores();
+    let budget = thread_budget(&requested, &bytes, cores, config.compute.split);
+    if config.compute.split == CoreSplit::BySize && budget.iter().sum::<usize>() > cores {
+        tracing::warn!(?budget, cores, "model compute threads outnumber the cores");
+    }
+    config
+        .models
+        .iter()
+        .zip(budget)
+        .map(|(m, threads)| {
+            tracing::info!(model = %m.name, threads, cores, "compute threads");
+            ComputePool::new(threads, &m.name)
+        })
+        .collect()
+}
+
 /// With `thresholds = "auto"`: the step latencies of the SLM and the LLM, measured now.
 fn online_profile(
     config: &Config,
     models: &[Arc<LoadedModel>],
+    pools: &[Arc<ComputePool>],
 ) -> Result<Option<Arc<LatencyProfile>>, RuntimeError> {
     if config.scheduler.thresholds != ThresholdSource::Auto {
         return Ok(None);
@@ -216,18 +245,21 @@ fn online_profile(
         ));
     };
     let measure = |i: usize| {
-        step_latencies(&models[i].model, MAX_TUNED_CONCURRENCY).map_err(|source| {
-            RuntimeError::Model {
-                name: config.models[i].name.clone(),
-                path: config.models[i].path.clone(),
-                source: Box::new(source),
-            }
+        with_pool(&pools[i], || {
+            step_latencies(&models[i].model, MAX_TUNED_CONCURRENCY)
+        })
+        .map_err(|source| RuntimeError::Model {
+            name: config.models[i].name.clone(),
+            path: config.models[i].path.clone(),
+            source: Box::new(source),
         })
     };
     let profile = LatencyProfile {
         slm: measure(slm)?,
         llm: measure(llm)?,
-        shared_compute: models.iter().all(|m| m.model.device().is_cpu()),
+        // Models on the CPU share cores unless their thread budgets fit side by side.
+        shared_compute: models.iter().all(|m| m.model.device().is_cpu())
+            && pools.iter().map(|p| p.threads()).sum::<usize>() > available_cores(),
     };
     tracing::info!(?profile, "step latencies for online thresholds");
     Ok(Some(Arc::new(profile)))
