@@ -5,9 +5,10 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use tokenrouter::kernels::qmatmul::{
-    ActFormat, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, QuantMatrix,
-    WeightBlock,
+    ActFormat, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, QuantKernel,
+    QuantMatrix, WeightBlock,
 };
+use tokenrouter::model::packed_kernel;
 
 /// The 0.5B model's FFN up-projection shape, for the 32-value formats.
 const SHAPE: (usize, usize) = (4864, 896);
@@ -19,7 +20,10 @@ fn bench_format<B: WeightBlock>(c: &mut Criterion, dtype: GgmlDType) {
     let dev = Device::Cpu;
     let w = Tensor::randn(0f32, 0.05, (rows, cols), &dev).unwrap();
     let q = QTensor::quantize(&w, dtype).unwrap();
-    let ours = QuantMatrix::<B>::from_bytes(rows, cols, &q.data().unwrap()).unwrap();
+    let bytes = q.data().unwrap().to_vec();
+    let ours = QuantMatrix::<B>::from_bytes(rows, cols, &bytes).unwrap();
+    // The K-quants' eight-row interleaved layout, as the model loader uses it.
+    let packed = packed_kernel(dtype, rows, cols, &bytes);
     let candle = QMatMul::from_qtensor(q).unwrap();
     let mut group = c.benchmark_group(format!("qmatmul_{}", B::NAME));
     group.throughput(Throughput::Bytes(ours.storage_bytes() as u64));
@@ -30,6 +34,11 @@ fn bench_format<B: WeightBlock>(c: &mut Criterion, dtype: GgmlDType) {
         group.bench_with_input(BenchmarkId::new("ours", batch), &batch, |b, _| {
             b.iter(|| ours.matmul(&xs, &mut out))
         });
+        if let Some(packed) = &packed {
+            group.bench_with_input(BenchmarkId::new("ours_x8", batch), &batch, |b, _| {
+                b.iter(|| packed.matmul(&xs, &mut out))
+            });
+        }
         group.bench_with_input(BenchmarkId::new("candle", batch), &batch, |b, _| {
             b.iter(|| candle.forward(&x).unwrap())
         });

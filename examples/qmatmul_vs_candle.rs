@@ -9,31 +9,47 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use tokenrouter::kernels::qmatmul::{
-    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, Isa, QuantMatrix, WeightBlock,
+    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, Isa, QuantKernel, QuantMatrix,
+    WeightBlock,
 };
+use tokenrouter::model::packed_kernel;
+
+/// One of our kernels on one weight matrix: `out = x · Wᵀ`.
+type Kernel<'a> = Box<dyn Fn(&[f32], &mut [f32]) + 'a>;
 
 fn compare<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize, batches: &[usize]) {
     let dev = Device::Cpu;
     let w = Tensor::randn(0f32, 0.05, (rows, cols), &dev).unwrap();
     let q = QTensor::quantize(&w, dtype).unwrap();
-    let ours = QuantMatrix::<B>::from_bytes(rows, cols, &q.data().unwrap()).unwrap();
+    let bytes = q.data().unwrap().to_vec();
+    let ours = QuantMatrix::<B>::from_bytes(rows, cols, &bytes).unwrap();
+    // The eight-row interleaved K-quant kernels, on their own repacked copy.
+    let packed = packed_kernel(dtype, rows, cols, &bytes);
     let candle = QMatMul::from_qtensor(q).unwrap();
     let gb = ours.storage_bytes() as f64 / 1e9;
+    let mut contenders: Vec<(String, Kernel)> = Isa::available()
+        .into_iter()
+        .filter(|&isa| isa != Isa::Scalar)
+        .map(|isa| {
+            let ours = &ours;
+            let run: Kernel = Box::new(move |x, out| ours.matmul_with(isa, x, out));
+            (format!("ours {isa:?}"), run)
+        })
+        .collect();
+    if let Some(p) = &packed {
+        contenders.push(("ours x8".into(), Box::new(|x, out| p.matmul(x, out))));
+    }
     for &batch in batches {
         let x = Tensor::randn(0f32, 1.0, (batch, cols), &dev).unwrap();
         let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let mut out = vec![0f32; batch * rows];
-        let isas: Vec<Isa> = Isa::available()
-            .into_iter()
-            .filter(|&isa| isa != Isa::Scalar)
-            .collect();
-        let mut best_ours = vec![f64::MAX; isas.len()];
+        let mut best_ours = vec![f64::MAX; contenders.len()];
         let mut best_candle = f64::MAX;
         for _ in 0..30 {
-            for (isa, best) in isas.iter().zip(best_ours.iter_mut()) {
+            for ((_, run), best) in contenders.iter().zip(best_ours.iter_mut()) {
                 let t = Instant::now();
                 for _ in 0..5 {
-                    ours.matmul_with(*isa, &xs, &mut out);
+                    run(&xs, &mut out);
                 }
                 *best = best.min(t.elapsed().as_secs_f64() / 5.0);
             }
@@ -44,9 +60,9 @@ fn compare<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize, batches: 
             best_candle = best_candle.min(t.elapsed().as_secs_f64() / 5.0);
         }
         let mut line = format!("{} {rows}x{cols} batch {batch:>2}:", B::NAME);
-        for (isa, best) in isas.iter().zip(&best_ours) {
+        for ((name, _), best) in contenders.iter().zip(&best_ours) {
             line += &format!(
-                "  ours {isa:?} {:>6.0} µs ({:>4.1} GB/s, {:.2}x candle)",
+                "  {name} {:>6.0} µs ({:>4.1} GB/s, {:.2}x candle)",
                 best * 1e6,
                 gb / best,
                 best_candle / best

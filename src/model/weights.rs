@@ -9,7 +9,8 @@ use candle_core::{Module, Tensor};
 
 use super::error::{ModelError, Result};
 use crate::kernels::qmatmul::{
-    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, QuantMatrix, WeightBlock,
+    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, PackedQ4K, PackedQ6K,
+    QuantKernel, QuantMatrix, WeightBlock,
 };
 
 pub trait WeightSource {
@@ -95,7 +96,7 @@ pub trait OwnKernel: Send + Sync {
     fn matmul(&self, x: &[f32], out: &mut [f32]);
 }
 
-impl<B: WeightBlock> OwnKernel for QuantMatrix<B> {
+impl<K: QuantKernel> OwnKernel for K {
     fn out_features(&self) -> usize {
         self.rows()
     }
@@ -103,7 +104,26 @@ impl<B: WeightBlock> OwnKernel for QuantMatrix<B> {
         self.cols()
     }
     fn matmul(&self, x: &[f32], out: &mut [f32]) {
-        QuantMatrix::matmul(self, x, out)
+        QuantKernel::matmul(self, x, out)
+    }
+}
+
+/// Our kernel on a copy of `bytes` (a `[rows, cols]` matrix of `dtype`) repacked for it: the
+/// K-quants with whole groups of eight rows, interleaved (an exact repack; see
+/// `kernels::qmatmul::x8`). `None` for other types and shapes.
+pub fn packed_kernel(
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+    bytes: &[u8],
+) -> Option<Box<dyn OwnKernel>> {
+    fn boxed<K: QuantKernel + 'static>(k: K) -> Box<dyn OwnKernel> {
+        Box::new(k)
+    }
+    match dtype {
+        GgmlDType::Q4K => PackedQ4K::from_bytes(rows, cols, bytes).map(boxed),
+        GgmlDType::Q6K => PackedQ6K::from_bytes(rows, cols, bytes).map(boxed),
+        _ => None,
     }
 }
 
@@ -128,6 +148,11 @@ fn own_kernel(q: &Arc<QTensor>, backend: MatmulBackend) -> Result<Option<Matmul>
     let Ok((rows, cols)) = q.shape().dims2() else {
         return Ok(None);
     };
+    // A repacked copy where there is one (the ggml bytes are dropped with `q` unless the
+    // tensor is also the embedding), else the ggml bytes read in place.
+    if let Some(packed) = packed_kernel(q.dtype(), rows, cols, TensorBytes(q.clone()).as_ref()) {
+        return Ok(Some(Matmul::Own(packed)));
+    }
     fn boxed<B: WeightBlock>(
         q: &Arc<QTensor>,
         rows: usize,

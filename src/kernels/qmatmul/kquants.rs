@@ -12,12 +12,14 @@ pub const QK_K: usize = 256;
 /// The K-quants' register tiles (see [`WeightBlock::TILES`]).
 const K_TILES: &[(usize, usize)] = &[(1, 8), (2, 4), (2, 3), (2, 2), (2, 1)];
 
-/// 256 activations: `x ≈ d · qs`, and `bsums[k] = Σ qs[16k..16k + 16]`.
+/// 256 activations: `x ≈ d · qs`, `bsums[k] = Σ qs[16k..16k + 16]` and
+/// `bsums32[j] = Σ qs[32j..32j + 32]` (the padding to 32-byte alignment has room for them).
 #[repr(C, align(32))]
 #[derive(Clone, Copy)]
 pub struct ActBlockK {
     pub(super) qs: [i8; QK_K],
     pub(super) bsums: [i16; 16],
+    pub(super) bsums32: [i16; 8],
     pub(super) d: f32,
 }
 
@@ -26,6 +28,7 @@ impl ActFormat for ActBlockK {
     const ZERO: Self = Self {
         qs: [0; QK_K],
         bsums: [0; 16],
+        bsums32: [0; 8],
         d: 0.0,
     };
 
@@ -40,6 +43,9 @@ impl ActFormat for ActBlockK {
         for (s, qs) in out.bsums.iter_mut().zip(out.qs.chunks_exact(16)) {
             *s = qs.iter().map(|&q| q as i16).sum();
         }
+        for (s, pair) in out.bsums32.iter_mut().zip(out.bsums.chunks_exact(2)) {
+            *s = pair[0] + pair[1];
+        }
         out.d = d;
     }
 
@@ -53,10 +59,10 @@ impl ActFormat for ActBlockK {
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct BlockQ4K {
-    d: f16,
-    dmin: f16,
+    pub(super) d: f16,
+    pub(super) dmin: f16,
     scales: [u8; 12],
-    qs: [u8; 128],
+    pub(super) qs: [u8; 128],
 }
 
 /// 256 values: `d · sc_k · (q - 32)` with 6-bit `q` (low 4 bits in `ql`, high 2 in `qh`) and
@@ -64,17 +70,17 @@ pub struct BlockQ4K {
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct BlockQ6K {
-    ql: [u8; 128],
-    qh: [u8; 64],
-    scales: [i8; 16],
-    d: f16,
+    pub(super) ql: [u8; 128],
+    pub(super) qh: [u8; 64],
+    pub(super) scales: [i8; 16],
+    pub(super) d: f16,
 }
 
 impl BlockQ4K {
     /// The 6-bit scales (bytes 0..8) and mins (bytes 8..16) of the 8 sub-blocks, unpacked
     /// from their 12-byte packing (ggml's `get_scale_min_k4`, done four bytes at a time).
     #[inline(always)]
-    fn scales_and_mins(&self) -> [u8; 16] {
+    pub(super) fn scales_and_mins(&self) -> [u8; 16] {
         const LOW6: u32 = 0x3f3f_3f3f;
         const LOW4: u32 = 0x0f0f_0f0f;
         const LOW2: u32 = 0x0303_0303;

@@ -223,6 +223,9 @@ fn k_activation_blocks_keep_their_16_value_sums() {
             "sums {k}"
         );
     }
+    for (j, qs) in a.qs.chunks_exact(32).enumerate() {
+        assert_eq!(a.bsums32[j], qs.iter().map(|&q| q as i16).sum::<i16>());
+    }
 }
 
 #[test]
@@ -231,4 +234,63 @@ fn the_best_instruction_set_is_one_this_cpu_has() {
     assert!(available.contains(&Isa::Scalar));
     assert!(available.contains(&Isa::best()));
     eprintln!("instruction sets here: {available:?}");
+}
+
+/// K-quants with rows interleaved eight at a time, against the same reference as the ggml
+/// layout, through every instruction set; row counts are multiples of 8 and batches pass
+/// through every tile height (6 down to 1) and leave tails.
+fn check_packed<P: Interleaved>() {
+    let name = <P::Source as WeightBlock>::NAME;
+    for (rows, blocks, batch) in [
+        (8, 1, 1),
+        (16, 2, 17),
+        (24, 3, 7),
+        (64, 4, 16),
+        (8, 2, 11),
+        (8, 1, 0),
+    ] {
+        let cols = blocks * QK_K;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((rows * 131 + cols + batch) as u64);
+        let bytes = random_blocks::<P::Source>(rows * blocks, &mut rng);
+        let m = PackedMatrix::<P>::from_bytes(rows, cols, &bytes).unwrap();
+        let x: Vec<f32> = (0..batch * cols)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        let mut acts = vec![ActBlockK::ZERO; batch * blocks];
+        for (row, a) in x.chunks_exact(cols).zip(acts.chunks_exact_mut(blocks)) {
+            quantize_row(row, a);
+        }
+        let (want, mag) = reference::<P::Source>(&bytes, rows, cols, &acts, batch);
+        for isa in Isa::available() {
+            let mut out = vec![f32::NAN; batch * rows];
+            m.matmul_with(isa, &x, &mut out);
+            for (i, (&got, &w)) in out.iter().zip(&want).enumerate() {
+                let tol = 1e-5 * mag[i] + 1e-4;
+                assert!(
+                    (got as f64 - w).abs() < tol,
+                    "packed {name} {isa:?} {rows}x{cols} b{batch} [{i}]: {got} vs {w}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_q4_k_matches_the_dense_reference() {
+    check_packed::<BlockQ4Kx8>();
+}
+
+#[test]
+fn packed_q6_k_matches_the_dense_reference() {
+    check_packed::<BlockQ6Kx8>();
+}
+
+#[test]
+fn packed_k_quants_need_whole_groups_of_eight_rows() {
+    let bytes = vec![0u8; 12 * 210];
+    assert!(PackedQ4K::from_bytes(12, 256, &bytes[..12 * 144]).is_none());
+    assert!(PackedQ4K::from_bytes(8, 256, &bytes[..8 * 144]).is_some());
+    assert!(PackedQ4K::from_bytes(8, 256, &bytes[..8 * 144 - 1]).is_none());
+    assert!(PackedQ6K::from_bytes(12, 256, &bytes).is_none());
+    assert!(PackedQ6K::from_bytes(8, 256, &bytes[..8 * 210]).is_some());
 }

@@ -1,0 +1,197 @@
+//! K-quant matrices with eight weight rows interleaved ([`Interleaved`] blocks, repacked exactly
+//! at load), so the eight 32-bit lanes of a SIMD register are eight output columns:
+//!
+//! * one 32-byte load holds four values of each of the eight rows, multiplied with four
+//!   activations broadcast to every lane (`maddubs`);
+//! * several such products add up in 16-bit lanes, exactly, before one `madd` applies the eight
+//!   rows' sub-block scales: fewer multiplies per multiply-add than the row-major kernels, which
+//!   pay a `madd` for every `maddubs`;
+//! * each super-block ends with one float multiply-add per activation row for all eight rows,
+//!   and there is no horizontal sum anywhere.
+//!
+//! A batch of `m` rows is taken in tiles of up to [`Interleaved::TILE_ROWS`] activation rows,
+//! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`).
+
+use std::marker::PhantomData;
+
+use super::kquants::{ActBlockK, QK_K};
+use super::{for_each_slice_tile, Isa, QuantKernel, WeightBlock};
+use crate::kernels::parallel::DisjointOut;
+
+/// Dispatches a tile of `sums.len()` activation rows to `$kernel::<T>` for each listed `T`.
+macro_rules! dispatch_rows {
+    ($kernel:ident, $w:expr, $acts:expr, $kb:expr, $sums:expr, [$($t:literal),*]) => {
+        match $sums.len() {
+            $($t => $kernel::<$t>($w, $acts, $kb, $sums),)*
+            n => unreachable!("no tile of {n} rows"),
+        }
+    };
+}
+
+mod q4k;
+mod q6k;
+pub use q4k::BlockQ4Kx8;
+pub use q6k::BlockQ6Kx8;
+
+/// Weight rows interleaved in one block.
+pub const ROWS: usize = 8;
+/// The most activation rows any format's tile takes.
+const MAX_TILE_ROWS: usize = 8;
+
+/// Super-block `b` of eight weight rows of one K-quant format.
+pub trait Interleaved: Copy + Send + Sync + 'static {
+    /// The ggml block it is packed from.
+    type Source: WeightBlock<Act = ActBlockK>;
+    /// The most activation rows one tile multiplies (its sums stay in registers).
+    const TILE_ROWS: usize;
+    /// Interleaves super-block `b` of eight rows.
+    fn pack(rows: [&Self::Source; ROWS]) -> Self;
+    /// The eight rows' dot products with one activation block: the portable path.
+    fn dot(&self, a: &ActBlockK) -> [f32; ROWS];
+    /// `sums[r][i]` = activation row `r` (`kb` blocks each in `acts`) · weight row `i` of the
+    /// group `w` (`kb` blocks), for `sums.len()` rows, 1 to `TILE_ROWS`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tile_avx2(w: &[Self], acts: &[ActBlockK], kb: usize, sums: &mut [[f32; ROWS]]);
+}
+
+/// A `[rows, cols]` K-quant matrix, rows interleaved eight at a time; `rows` a multiple of 8.
+pub struct PackedMatrix<P: Interleaved> {
+    rows: usize,
+    cols: usize,
+    /// Group `c` (rows `8c..8c + 8`), super-block `b` at `c · kb + b`.
+    blocks: Vec<P>,
+    _format: PhantomData<P>,
+}
+
+pub type PackedQ4K = PackedMatrix<BlockQ4Kx8>;
+pub type PackedQ6K = PackedMatrix<BlockQ6Kx8>;
+
+impl<P: Interleaved> PackedMatrix<P> {
+    /// Repacks ggml's bytes; `None` if the byte count does not match the shape or the rows are
+    /// not a multiple of 8.
+    pub fn from_bytes(rows: usize, cols: usize, bytes: &[u8]) -> Option<Self> {
+        let size = std::mem::size_of::<P::Source>();
+        if !rows.is_multiple_of(ROWS)
+            || !cols.is_multiple_of(QK_K)
+            || bytes.len() != rows * cols / QK_K * size
+        {
+            return None;
+        }
+        let kb = cols / QK_K;
+        let block = |row: usize, b: usize| {
+            let at = (row * kb + b) * size;
+            // SAFETY: `at + size` is inside `bytes` (length checked above); the source block
+            // is a `repr(C)` block of plain integer and f16 fields, any bit pattern is valid,
+            // and `read_unaligned` needs no alignment.
+            unsafe { std::ptr::read_unaligned(bytes[at..at + size].as_ptr() as *const P::Source) }
+        };
+        let mut blocks = Vec::with_capacity(rows / ROWS * kb);
+        for group in 0..rows / ROWS {
+            for b in 0..kb {
+                let src: [P::Source; ROWS] = std::array::from_fn(|i| block(group * ROWS + i, b));
+                blocks.push(P::pack(std::array::from_fn(|i| &src[i])));
+            }
+        }
+        Some(Self {
+            rows,
+            cols,
+            blocks,
+            _format: PhantomData,
+        })
+    }
+}
+
+impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
+    type Act = ActBlockK;
+
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn storage_bytes(&self) -> usize {
+        std::mem::size_of_val(self.blocks.as_slice())
+    }
+
+    fn matmul_quantized(&self, acts: &[ActBlockK], m: usize, out: &mut [f32], isa: Isa) {
+        let kb = self.cols / QK_K;
+        let n = self.rows;
+        let out = DisjointOut::new(out);
+        let group_bytes = kb * std::mem::size_of::<P>();
+        let tile_rows = |left: usize| left.min(P::TILE_ROWS).min(MAX_TILE_ROWS);
+        for_each_slice_tile(n / ROWS, group_bytes, m, tile_rows, |groups, r| {
+            let row_acts = &acts[r.start * kb..r.end * kb];
+            let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
+            let sums = &mut sums[..r.len()];
+            for group in groups {
+                let w = &self.blocks[group * kb..(group + 1) * kb];
+                tile(w, row_acts, kb, sums, isa);
+                for (row, s) in r.clone().zip(sums.iter()) {
+                    // SAFETY: columns 8·group..8·group + 8 belong to this task's groups only,
+                    // and lie inside `out` (m × n) by the asserts in `run`.
+                    unsafe { out.slice(row * n + group * ROWS, ROWS) }.copy_from_slice(s);
+                }
+            }
+        });
+    }
+}
+
+/// One group's tile with the instruction set `isa`.
+fn tile<P: Interleaved>(
+    w: &[P],
+    acts: &[ActBlockK],
+    kb: usize,
+    sums: &mut [[f32; ROWS]],
+    isa: Isa,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Scalar {
+        // SAFETY: `isa` is one the CPU supports (`Isa::best`, or checked by `matmul_with`),
+        // and every SIMD one includes AVX2, FMA and F16C.
+        return unsafe { P::tile_avx2(w, acts, kb, sums) };
+    }
+    let _ = isa;
+    tile_scalar(w, acts, kb, sums);
+}
+
+/// The portable path.
+pub fn tile_scalar<P: Interleaved>(
+    w: &[P],
+    acts: &[ActBlockK],
+    kb: usize,
+    sums: &mut [[f32; ROWS]],
+) {
+    for (r, s) in sums.iter_mut().enumerate() {
+        *s = [0.0; ROWS];
+        for (block, a) in w.iter().zip(&acts[r * kb..(r + 1) * kb]) {
+            for (total, v) in s.iter_mut().zip(block.dot(a)) {
+                *total += v;
+            }
+        }
+    }
+}
+
+/// Four bytes at `p` as one i32, broadcast to every lane.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn broadcast4(p: *const u8) -> std::arch::x86_64::__m256i {
+    std::arch::x86_64::_mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
+}
+
+/// Prefetches block `b + 2` of a group (its blocks are one contiguous stream); prefetches
+/// never fault, so running past the end is harmless.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_ahead<P>(block: &P) {
+    use std::arch::x86_64::*;
+    let ahead = (block as *const P).wrapping_add(2) as *const i8;
+    for line in (0..std::mem::size_of::<P>()).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+    }
+}

@@ -1,0 +1,158 @@
+//! Q4_K, eight rows interleaved: a sub-block's eight `maddubs` products add up in 16-bit lanes
+//! (at most 16 · 15 · 127 = 30 480, exact) before one `madd` applies the scales: 1⅛
+//! multiplies per 32 multiply-adds against the row-major kernel's 2.
+//!
+//! Memory: 1184 bytes per eight rows' super-block against ggml's 8 × 144 (+2.8 %), with the
+//! scales and mins unpacked to bytes.
+
+use half::f16;
+
+use super::{Interleaved, ROWS};
+use crate::kernels::qmatmul::{ActBlockK, BlockQ4K};
+
+/// Super-block `b` of eight Q4_K weight rows.
+#[repr(C, align(32))]
+#[derive(Clone, Copy)]
+pub struct BlockQ4Kx8 {
+    /// `qs[((p · 8 + g) · 8 + i) · 4 + k]` is byte `32p + 4g + k` of row `i`'s `qs`: the low
+    /// nibble is value `4g + k` of sub-block `2p`, the high nibble of sub-block `2p + 1`.
+    qs: [u8; 1024],
+    /// `scales[8j + i]`: sub-block `j`'s scale for row `i`.
+    scales: [u8; 64],
+    /// `mins[16p + 2i + h]`: sub-block `2p + h`'s min for row `i`.
+    mins: [u8; 64],
+    d: [f16; ROWS],
+    dmin: [f16; ROWS],
+}
+
+impl Interleaved for BlockQ4Kx8 {
+    type Source = BlockQ4K;
+    const TILE_ROWS: usize = 4;
+
+    fn pack(rows: [&BlockQ4K; ROWS]) -> Self {
+        let mut out = Self {
+            qs: [0; 1024],
+            scales: [0; 64],
+            mins: [0; 64],
+            d: [f16::ZERO; ROWS],
+            dmin: [f16::ZERO; ROWS],
+        };
+        for (i, block) in rows.iter().enumerate() {
+            let sm = block.scales_and_mins();
+            for j in 0..8 {
+                out.scales[8 * j + i] = sm[j];
+                out.mins[16 * (j / 2) + 2 * i + j % 2] = sm[8 + j];
+            }
+            out.d[i] = block.d;
+            out.dmin[i] = block.dmin;
+            for (at, &byte) in block.qs.iter().enumerate() {
+                let (p, g, k) = (at / 32, at % 32 / 4, at % 4);
+                out.qs[((p * 8 + g) * ROWS + i) * 4 + k] = byte;
+            }
+        }
+        out
+    }
+
+    fn dot(&self, a: &ActBlockK) -> [f32; ROWS] {
+        let mut out = [0f32; ROWS];
+        for (i, o) in out.iter_mut().enumerate() {
+            let (mut sumi, mut summ) = (0i32, 0i32);
+            for j in 0..8 {
+                let (p, shift) = (j / 2, 4 * (j % 2));
+                let mut dot = 0i32;
+                for g in 0..8 {
+                    for k in 0..4 {
+                        let q = (self.qs[((p * 8 + g) * ROWS + i) * 4 + k] >> shift) & 0x0F;
+                        dot += q as i32 * a.qs[32 * j + 4 * g + k] as i32;
+                    }
+                }
+                sumi += self.scales[8 * j + i] as i32 * dot;
+                summ += self.mins[16 * p + 2 * i + j % 2] as i32 * a.bsums32[j] as i32;
+            }
+            *o = a.d * (self.d[i].to_f32() * sumi as f32 - self.dmin[i].to_f32() * summ as f32);
+        }
+        out
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tile_avx2(w: &[Self], acts: &[ActBlockK], kb: usize, sums: &mut [[f32; ROWS]]) {
+        use avx2::tile;
+        dispatch_rows!(tile, w, acts, kb, sums, [4, 3, 2, 1])
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::super::{broadcast4, prefetch_ahead};
+    use super::{ActBlockK, BlockQ4Kx8, ROWS};
+
+    /// `T` activation rows × one group of eight weight rows.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `acts` holds `T · kb` blocks, `w` `kb`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile<const T: usize>(
+        w: &[BlockQ4Kx8],
+        acts: &[ActBlockK],
+        kb: usize,
+        sums: &mut [[f32; ROWS]],
+    ) {
+        debug_assert!(w.len() == kb && acts.len() == T * kb && sums.len() == T);
+        let m4 = _mm256_set1_epi8(0x0F);
+        // Each sub-block scale to the two 16-bit lanes of its row.
+        let pairs = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..kb {
+            let block = w.get_unchecked(b);
+            prefetch_ahead(block);
+            let rows: [&ActBlockK; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
+            let mut sumi = [_mm256_setzero_si256(); T];
+            for j in 0..8 {
+                let scales = _mm_loadl_epi64(block.scales.as_ptr().add(8 * j) as *const __m128i);
+                let scales = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(scales, pairs));
+                let mut part = [_mm256_setzero_si256(); T];
+                for g in 0..8 {
+                    let bits = _mm256_load_si256(
+                        block.qs.as_ptr().add((j / 2 * 8 + g) * 32) as *const __m256i
+                    );
+                    let bits = if j % 2 == 0 {
+                        bits
+                    } else {
+                        _mm256_srli_epi16(bits, 4)
+                    };
+                    let q = _mm256_and_si256(bits, m4);
+                    for r in 0..T {
+                        let x = broadcast4(rows[r].qs.as_ptr().add(32 * j + 4 * g) as *const u8);
+                        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(q, x));
+                    }
+                }
+                for r in 0..T {
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(part[r], scales));
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_load_si128(block.d.as_ptr() as *const __m128i));
+            let dmin = _mm256_cvtph_ps(_mm_load_si128(block.dmin.as_ptr() as *const __m128i));
+            let mins: [__m256i; 4] = std::array::from_fn(|p| {
+                _mm256_cvtepu8_epi16(_mm_load_si128(
+                    block.mins.as_ptr().add(16 * p) as *const __m128i
+                ))
+            });
+            for r in 0..T {
+                let a = rows[r];
+                let mut summ = _mm256_setzero_si256();
+                for (p, m) in mins.iter().enumerate() {
+                    let s = broadcast4(a.bsums32.as_ptr().add(2 * p) as *const u8);
+                    summ = _mm256_add_epi32(summ, _mm256_madd_epi16(*m, s));
+                }
+                let ad = _mm256_set1_ps(a.d);
+                let v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(d, ad), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(dmin, ad), v);
+            }
+        }
+        for (s, a) in sums.iter_mut().zip(acc) {
+            _mm256_storeu_ps(s.as_mut_ptr(), a);
+        }
+    }
+}
