@@ -2,7 +2,7 @@
 //! 5 calls each), so drift on a shared machine hits both sides alike. The criterion bench
 //! (`benches/qmatmul.rs`) measures each side on its own.
 //!
-//! `cargo run --release --example qmatmul_vs_candle [k|simple]`, `BATCH=16` for one batch size.
+//! `cargo run --release --example qmatmul_vs_candle [k|simple|big]`, `BATCH=16` for one batch size.
 
 use std::time::Instant;
 
@@ -90,6 +90,12 @@ fn main() {
         // Its down-projection: long rows, activations no longer fit in L1.
         compare::<BlockQ4K>(GgmlDType::Q4K, 1536, 8960, &batches);
         compare::<BlockQ6K>(GgmlDType::Q6K, 1536, 8960, &batches);
+    }
+    if which == "big" {
+        // The 1.5B model's output projection (191 MB of Q6_K, far beyond any cache): what a
+        // decode step's weight streaming sees.
+        compare::<BlockQ6K>(GgmlDType::Q6K, 151936, 1536, &batches);
+        compare::<BlockQ4K>(GgmlDType::Q4K, 151936, 1536, &batches);
     }
     if which.is_empty() || which == "simple" {
         // The 0.5B model's FFN up-projection.
