@@ -131,3 +131,34 @@ tile_kernels!(
     "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
     true
 );
+
+/// [`super::quantize_i8`] eight values at a time; `xs.len()` a multiple of 8, `qs` as long.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn quantize_i8(xs: &[f32], qs: &mut [i8]) -> f32 {
+    debug_assert!(xs.len().is_multiple_of(8) && qs.len() == xs.len());
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let mut max = _mm256_setzero_ps();
+    for c in xs.chunks_exact(8) {
+        max = _mm256_max_ps(max, _mm256_and_ps(_mm256_loadu_ps(c.as_ptr()), abs_mask));
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps(max, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    let d = amax / 127.0;
+    let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+    let half = _mm256_set1_ps(0.5);
+    let one = _mm256_set1_ps(1.0);
+    let sign_mask = _mm256_set1_ps(-0.0);
+    for (c, q) in xs.chunks_exact(8).zip(qs.chunks_exact_mut(8)) {
+        let v = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), id);
+        // Round half away from zero, exactly: truncate, then step away from zero when the
+        // (exact) remainder is at least one half.
+        let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
+        let away = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_and_ps(_mm256_sub_ps(v, t), abs_mask), half);
+        let step = _mm256_or_ps(_mm256_and_ps(v, sign_mask), one);
+        let r = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, step)));
+        let w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storel_epi64(q.as_mut_ptr() as *mut __m128i, _mm_packs_epi16(w, w));
+    }
+    d
+}

@@ -34,12 +34,7 @@ impl ActFormat for ActBlockK {
 
     /// `d = amax / 127`, `q = round(x / d)`.
     fn quantize(x: &[f32], out: &mut Self) {
-        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        for (q, &v) in out.qs.iter_mut().zip(x) {
-            *q = (v * id).round() as i8;
-        }
+        let d = super::quantize_i8(x, &mut out.qs);
         for (s, qs) in out.bsums.iter_mut().zip(out.qs.chunks_exact(16)) {
             *s = qs.iter().map(|&q| q as i16).sum();
         }

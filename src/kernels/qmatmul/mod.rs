@@ -106,14 +106,8 @@ impl ActFormat for ActBlock {
 
     /// As ggml's `quantize_row_q8_1`: `d = amax / 127` rounded to f16, `q = round(x / d)`.
     fn quantize(xs: &[f32], block: &mut Self) {
-        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in block.qs.iter_mut().zip(xs) {
-            *q = (v * id).round() as i8;
-            sum += *q as i32;
-        }
+        let d = quantize_i8(xs, &mut block.qs);
+        let sum: i32 = block.qs.iter().map(|&q| q as i32).sum();
         let d16 = f16::from_f32(d);
         block.d = d16.to_f32();
         block.s = (f16::from_f32(sum as f32) * d16).to_f32();
@@ -122,6 +116,28 @@ impl ActFormat for ActBlock {
     fn value(&self, i: usize) -> f32 {
         self.d * self.qs[i] as f32
     }
+}
+
+/// `d = amax / 127` and `qs[i] = round(xs[i] / d)` (halves away from zero; 0 where `d` is 0),
+/// with AVX2 where the CPU has it: the same bytes as the scalar loop for finite inputs.
+pub fn quantize_i8(xs: &[f32], qs: &mut [i8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::best() != Isa::Scalar && xs.len().is_multiple_of(8) && qs.len() == xs.len() {
+        // SAFETY: every SIMD `Isa` includes AVX2; the lengths are checked.
+        return unsafe { avx2::quantize_i8(xs, qs) };
+    }
+    quantize_i8_scalar(xs, qs)
+}
+
+/// The portable [`quantize_i8`].
+pub fn quantize_i8_scalar(xs: &[f32], qs: &mut [i8]) -> f32 {
+    let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    for (q, &v) in qs.iter_mut().zip(xs) {
+        *q = (v * id).round() as i8;
+    }
+    d
 }
 
 /// Quantizes one row of activations (a whole number of blocks).

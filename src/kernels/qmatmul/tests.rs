@@ -294,3 +294,28 @@ fn packed_k_quants_need_whole_groups_of_eight_rows() {
     assert!(PackedQ6K::from_bytes(12, 256, &bytes).is_none());
     assert!(PackedQ6K::from_bytes(8, 256, &bytes[..8 * 210]).is_some());
 }
+
+/// The SIMD activation quantizer gives the scalar one's bytes and scale, halves and the
+/// saturating top included.
+#[test]
+fn activation_rounding_matches_the_scalar_loop() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    for case in 0..200 {
+        let mut xs: Vec<f32> = (0..64).map(|_| rng.random_range(-4.0..4.0)).collect();
+        if case % 3 == 0 {
+            // Exact halves after scaling: amax 127 makes the scale 1.
+            xs[0] = 127.0;
+            for (i, x) in xs.iter_mut().enumerate().skip(1) {
+                *x = (i as f32 - 32.0) + 0.5;
+            }
+        }
+        if case == 1 {
+            xs.fill(0.0);
+        }
+        let (mut fast, mut slow) = (vec![0i8; 64], vec![0i8; 64]);
+        let d_fast = quantize_i8(&xs, &mut fast);
+        let d_slow = quantize_i8_scalar(&xs, &mut slow);
+        assert_eq!(d_fast.to_bits(), d_slow.to_bits(), "case {case}");
+        assert_eq!(fast, slow, "case {case}");
+    }
+}
