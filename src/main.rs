@@ -15,6 +15,12 @@ fn main() -> ExitCode {
     if !args.candle_computes() && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
