@@ -275,7 +275,7 @@ impl<B: WeightBlock> QuantKernel for QuantMatrix<B> {
                     dot_tile(w, cols, row_acts, kb, &mut sums[..cols * rows], isa);
                     for row in 0..rows {
                         // SAFETY: columns col..col + cols of row r.start + row belong to this
-                        // task's items only, and lie inside `out` (m × n) by `batch_rows`.
+                        // task's items only, and lie inside `out` (m × n) by the asserts in `run`.
                         let dst = unsafe { out.slice((r.start + row) * n + col, cols) };
                         for (c, d) in dst.iter_mut().enumerate() {
                             *d = sums[c * rows + row];

@@ -12,8 +12,6 @@
 //! A batch of `m` rows is taken in tiles of up to [`Interleaved::TILE_ROWS`] activation rows,
 //! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`).
 
-use std::marker::PhantomData;
-
 use super::kquants::{ActBlockK, QK_K};
 use super::{for_each_slice_tile, Isa, QuantKernel, WeightBlock};
 use crate::kernels::parallel::DisjointOut;
@@ -63,7 +61,6 @@ pub struct PackedMatrix<P: Interleaved> {
     cols: usize,
     /// Group `c` (rows `8c..8c + 8`), super-block `b` at `c · kb + b`.
     blocks: Vec<P>,
-    _format: PhantomData<P>,
 }
 
 pub type PackedQ4K = PackedMatrix<BlockQ4Kx8>;
@@ -95,12 +92,7 @@ impl<P: Interleaved> PackedMatrix<P> {
                 blocks.push(P::pack(std::array::from_fn(|i| &src[i])));
             }
         }
-        Some(Self {
-            rows,
-            cols,
-            blocks,
-            _format: PhantomData,
-        })
+        Some(Self { rows, cols, blocks })
     }
 }
 
@@ -161,12 +153,7 @@ fn tile<P: Interleaved>(
 }
 
 /// The portable path.
-pub fn tile_scalar<P: Interleaved>(
-    w: &[P],
-    acts: &[ActBlockK],
-    kb: usize,
-    sums: &mut [[f32; ROWS]],
-) {
+fn tile_scalar<P: Interleaved>(w: &[P], acts: &[ActBlockK], kb: usize, sums: &mut [[f32; ROWS]]) {
     for (r, s) in sums.iter_mut().enumerate() {
         *s = [0.0; ROWS];
         for (block, a) in w.iter().zip(&acts[r * kb..(r + 1) * kb]) {
