@@ -85,7 +85,7 @@ impl Interleaved for BlockQ4Kx8 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::{broadcast4, prefetch_ahead};
+    use super::super::{broadcast4, prefetch_line};
     use super::{ActBlockK, BlockQ4Kx8, ROWS};
 
     /// `T` activation rows × one group of eight weight rows.
@@ -106,12 +106,17 @@ mod avx2 {
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..kb {
             let block = w.get_unchecked(b);
-            prefetch_ahead(block);
             let rows: [&ActBlockK; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
             let mut sumi = [_mm256_setzero_si256(); T];
             for j in 0..8 {
                 let scales = _mm_loadl_epi64(block.scales.as_ptr().add(8 * j) as *const __m128i);
                 let scales = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(scales, pairs));
+                // Eight steps a block, 18 lines.
+                prefetch_line(block, 2 * j);
+                prefetch_line(block, 2 * j + 1);
+                if j < 2 {
+                    prefetch_line(block, 16 + j);
+                }
                 let mut part = [_mm256_setzero_si256(); T];
                 for g in 0..8 {
                     let bits = _mm256_load_si256(

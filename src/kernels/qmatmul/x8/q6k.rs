@@ -4,6 +4,11 @@
 //! applies the eight rows' 16-value scales: 1½ multiplies per 32 multiply-adds against the
 //! row-major kernel's 2.
 //!
+//! The repack also rearranges the bits: ggml keeps four low bits and two high bits of a value in
+//! different arrays (five operations to join them per 32 values); here the same four positions of
+//! four sub-blocks share three bytes, three values whole in the low six bits (one `and`) and the
+//! fourth spread over the three top bit pairs, so 128 values cost 11 operations instead of ~22.
+//!
 //! Memory: 1696 bytes per eight rows' super-block against ggml's 8 × 210 (+1 %: padding to
 //! 32-byte alignment).
 
@@ -16,25 +21,29 @@ use crate::kernels::qmatmul::{ActBlockK, BlockQ6K};
 #[repr(C, align(32))]
 #[derive(Clone, Copy)]
 pub struct BlockQ6Kx8 {
-    /// `ql[(((2n + h) · 8 + g) · 8 + i) · 4 + k]` is byte `64n + 32h + 4g + k` of row `i`'s
-    /// `ql`: low bits of value `4g + k` of sub-block `4n + h` (low nibble) and `4n + h + 2`
-    /// (high nibble).
-    ql: [u8; 1024],
-    /// `qh[((8n + g) · 8 + i) · 4 + k]` is byte `32n + 4g + k` of row `i`'s `qh`: bits `2k'..`
-    /// hold the high two bits of value `4g + k` of sub-block `4n + k'`.
-    qh: [u8; 512],
+    /// `q[(((8n + g) · 3 + j) · 8 + i) · 4 + k]` holds, for row `i` and position `p = 4g + k` of
+    /// the sub-blocks `4n..4n + 4`: in its low six bits the value of sub-block `4n + j`, in its
+    /// top two bits bits `2j, 2j + 1` of the value of sub-block `4n + 3`.
+    q: [u8; 1536],
     /// `scales[8s + i]`: the scale of values `16s..16s + 16` of row `i`.
     scales: [i8; 128],
     d: [f16; ROWS],
 }
 
+/// Index in [`BlockQ6Kx8::q`] of byte `j` of row `i`'s position `p` in sub-blocks `4n..4n + 4`.
+fn q_index(n: usize, p: usize, j: usize, i: usize) -> usize {
+    (((8 * n + p / 4) * 3 + j) * ROWS + i) * 4 + p % 4
+}
+
 impl BlockQ6Kx8 {
     /// The 6-bit value `l` of sub-block `sub` of row `i` (0..63, before the -32).
     fn value(&self, i: usize, sub: usize, l: usize) -> i32 {
-        let (n, k, g) = (sub / 4, sub % 4, l / 4);
-        let lo = self.ql[(((2 * n + k % 2) * 8 + g) * ROWS + i) * 4 + l % 4] >> (4 * (k / 2));
-        let hi = self.qh[((8 * n + g) * ROWS + i) * 4 + l % 4] >> (2 * k);
-        ((lo & 0x0F) | ((hi & 3) << 4)) as i32
+        let (n, k) = (sub / 4, sub % 4);
+        let byte = |j| self.q[q_index(n, l, j, i)];
+        match k {
+            3 => (0..3).map(|j| ((byte(j) >> 6) as i32) << (2 * j)).sum(),
+            _ => (byte(k) & 0x3F) as i32,
+        }
     }
 }
 
@@ -44,19 +53,27 @@ impl Interleaved for BlockQ6Kx8 {
 
     fn pack(rows: [&BlockQ6K; ROWS]) -> Self {
         let mut out = Self {
-            ql: [0; 1024],
-            qh: [0; 512],
+            q: [0; 1536],
             scales: [0; 128],
             d: [f16::ZERO; ROWS],
         };
         for (i, block) in rows.iter().enumerate() {
-            for (at, &byte) in block.ql.iter().enumerate() {
-                let (nh, g, k) = (at / 32, at % 32 / 4, at % 4);
-                out.ql[((nh * 8 + g) * ROWS + i) * 4 + k] = byte;
-            }
-            for (at, &byte) in block.qh.iter().enumerate() {
-                let (n, g, k) = (at / 32, at % 32 / 4, at % 4);
-                out.qh[((8 * n + g) * ROWS + i) * 4 + k] = byte;
+            // ggml: value `p` of sub-block `4n + k` has its low four bits in nibble `k / 2` of
+            // `ql[64n + 32(k % 2) + p]` and its high two in bits `2k..` of `qh[32n + p]`.
+            for n in 0..2 {
+                for k in 0..4 {
+                    for p in 0..32 {
+                        let lo = block.ql[64 * n + 32 * (k % 2) + p] >> (4 * (k / 2)) & 0x0F;
+                        let hi = block.qh[32 * n + p] >> (2 * k) & 3;
+                        let v = lo | hi << 4;
+                        match k {
+                            3 => (0..3).for_each(|j| {
+                                out.q[q_index(n, p, j, i)] |= (v >> (2 * j) & 3) << 6
+                            }),
+                            _ => out.q[q_index(n, p, k, i)] |= v,
+                        }
+                    }
+                }
             }
             for (s, &scale) in block.scales.iter().enumerate() {
                 out.scales[8 * s + i] = scale;
@@ -93,29 +110,26 @@ impl Interleaved for BlockQ6Kx8 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::{broadcast4, prefetch_ahead};
+    use super::super::{broadcast4, prefetch_line};
     use super::{ActBlockK, BlockQ6Kx8, ROWS};
 
     /// The values of sub-block `4n + k` for group `g` (four values of each row) as bytes.
     #[inline(always)]
     unsafe fn values(block: &BlockQ6Kx8, n: usize, k: usize, g: usize) -> __m256i {
-        let m4 = _mm256_set1_epi8(0x0F);
-        let lo = _mm256_load_si256(
-            block.ql.as_ptr().add(((2 * n + k % 2) * 8 + g) * 32) as *const __m256i
-        );
-        let lo = if k < 2 { lo } else { _mm256_srli_epi16(lo, 4) };
-        let hi = _mm256_load_si256(block.qh.as_ptr().add((8 * n + g) * 32) as *const __m256i);
-        // Bits 2k..2k + 2 to bits 4..6 (16-bit shifts: the masked bits stay in their byte).
-        let hi = match k {
-            0 => _mm256_slli_epi16(hi, 4),
-            1 => _mm256_slli_epi16(hi, 2),
-            2 => hi,
-            _ => _mm256_srli_epi16(hi, 2),
+        let at = |j: usize| {
+            _mm256_load_si256(block.q.as_ptr().add(((8 * n + g) * 3 + j) * 32) as *const __m256i)
         };
-        _mm256_or_si256(
-            _mm256_and_si256(lo, m4),
-            _mm256_and_si256(hi, _mm256_set1_epi8(0x30)),
-        )
+        if k < 3 {
+            return _mm256_and_si256(at(k), _mm256_set1_epi8(0x3F));
+        }
+        // Bit pair `j` from the top of byte `j` to bits `2j..2j + 2` (16-bit shifts: the masked
+        // bits stay in their byte).
+        let part = |j: usize, bits: i8| match j {
+            0 => _mm256_and_si256(_mm256_srli_epi16(at(0), 6), _mm256_set1_epi8(bits)),
+            1 => _mm256_and_si256(_mm256_srli_epi16(at(1), 4), _mm256_set1_epi8(bits)),
+            _ => _mm256_and_si256(_mm256_srli_epi16(at(2), 2), _mm256_set1_epi8(bits)),
+        };
+        _mm256_or_si256(_mm256_or_si256(part(0, 0x03), part(1, 0x0C)), part(2, 0x30))
     }
 
     /// `T` activation rows × one group of eight weight rows.
@@ -135,7 +149,6 @@ mod avx2 {
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..kb {
             let block = w.get_unchecked(b);
-            prefetch_ahead(block);
             let rows: [&ActBlockK; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
             let mut sumi = [_mm256_setzero_si256(); T];
             for sub in 0..8 {
@@ -145,6 +158,8 @@ mod avx2 {
                     let scale = _mm_loadl_epi64(block.scales.as_ptr().add(8 * s) as *const __m128i);
                     let scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scale, pairs));
                     for pair in 0..2 {
+                        // 32 steps a block, 27 lines.
+                        prefetch_line(block, (sub * 2 + half) * 2 + pair);
                         let g = 4 * half + 2 * pair;
                         let q0 = values(block, n, k, g);
                         let q1 = values(block, n, k, g + 1);
