@@ -59,8 +59,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(b) = &baseline {
         warm_up(&b.model)?;
     }
-    let bandwidth = read_bandwidth();
-    let roofline = bandwidth / model.streamed_weight_bytes() as f64;
+    let bytes = model.streamed_weight_bytes() as f64;
+    let probe = ReadProbe::new();
+    let bandwidth = probe.bandwidth(5);
     let name = lm
         .path
         .file_name()
@@ -69,13 +70,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if !args.json {
         println!(
             "model {name}: {:.1} MB streamed per decode step, read bandwidth {:.2} GB/s, batch-1 roofline {:.1} tok/s",
-            model.streamed_weight_bytes() as f64 / 1e6,
+            bytes / 1e6,
             bandwidth / 1e9,
-            roofline
+            bandwidth / bytes
+        );
+        println!(
+            "(the bandwidth drifts on a shared machine: each row's roofline is the mean of the read rates just before and just after it)"
         );
         print!(
-            "{:>6} {:>14} {:>14} {:>10}",
-            "batch", "prefill tok/s", "decode tok/s", "% roofline"
+            "{:>6} {:>14} {:>14} {:>10} {:>10} {:>10}",
+            "batch", "prefill tok/s", "decode tok/s", "read GB/s", "roofline", "% roofline"
         );
         if baseline.is_some() {
             print!(
@@ -91,7 +95,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         seed: args.seed,
     };
     for &batch in &args.batch {
+        let before = probe.bandwidth(3);
         let row = measure(model, batch, &workload)?;
+        let roofline = (before + probe.bandwidth(3)) / 2.0 / bytes;
         let base = match &baseline {
             Some(b) => Some(measure(&b.model, batch, &workload)?),
             None => None,
@@ -111,10 +117,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             println!("{obj}");
         } else {
             print!(
-                "{:>6} {:>14.1} {:>14.1} {:>9.0}%",
+                "{:>6} {:>14.1} {:>14.1} {:>10.2} {:>10.1} {:>9.0}%",
                 batch,
                 row.prefill_tok_s,
                 row.decode_tok_s,
+                roofline * bytes / 1e9,
+                roofline,
                 100.0 * row.decode_tok_s / roofline
             );
             if let Some(b) = &base {
@@ -131,25 +139,41 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Best-of-five read bandwidth in bytes/s over a buffer far larger than the caches, read with
-/// the same thread pool the kernels use.
-fn read_bandwidth() -> f64 {
-    let words = 64 << 20; // 512 MiB of u64
-    let chunk = 1 << 16;
-    let buf: Vec<u64> = (0..words as u64).collect();
-    let mut best = 0f64;
-    for _ in 0..5 {
-        let total = AtomicU64::new(0);
-        let started = Instant::now();
-        for_each_range(words / chunk, |chunks| {
-            let part = buf[chunks.start * chunk..chunks.end * chunk]
-                .iter()
-                .fold(0u64, |a, &x| a.wrapping_add(x));
-            total.fetch_add(part, Ordering::Relaxed);
-        });
-        let secs = started.elapsed().as_secs_f64();
-        std::hint::black_box(total.load(Ordering::Relaxed));
-        best = best.max((words * 8) as f64 / secs);
+/// A buffer far larger than the caches, for timing plain reads of memory.
+struct ReadProbe {
+    buf: Vec<u64>,
+}
+
+impl ReadProbe {
+    /// Words per work item.
+    const CHUNK: usize = 1 << 16;
+
+    fn new() -> Self {
+        let words = 64 << 20; // 512 MiB of u64
+        Self {
+            buf: (0..words as u64).collect(),
+        }
     }
-    best
+
+    /// Best-of-`passes` read bandwidth in bytes/s, read with the same thread pool the kernels
+    /// use.
+    fn bandwidth(&self, passes: usize) -> f64 {
+        let chunk = Self::CHUNK;
+        let items = self.buf.len() / chunk;
+        let mut best = 0f64;
+        for _ in 0..passes {
+            let total = AtomicU64::new(0);
+            let started = Instant::now();
+            for_each_range(items, |chunks| {
+                let part = self.buf[chunks.start * chunk..chunks.end * chunk]
+                    .iter()
+                    .fold(0u64, |a, &x| a.wrapping_add(x));
+                total.fetch_add(part, Ordering::Relaxed);
+            });
+            let secs = started.elapsed().as_secs_f64();
+            std::hint::black_box(total.load(Ordering::Relaxed));
+            best = best.max((items * chunk * 8) as f64 / secs);
+        }
+        best
+    }
 }
