@@ -2,17 +2,22 @@
 //! 5 calls each), so drift on a shared machine hits both sides alike. The criterion bench
 //! (`benches/qmatmul.rs`) measures each side on its own.
 //!
-//! `cargo run --release --example qmatmul_vs_candle [k|simple|big]`, `BATCH=16` for one batch size.
+//! `cargo run --release --example qmatmul_vs_candle [k|simple|big|stream]`, `BATCH=16` for one
+//! batch size. `stream` measures one activation row against enough copies of each matrix to
+//! overflow every cache (as a decode step streams its weights), next to a plain read of as many
+//! bytes: the kernels' share of the memory bandwidth.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
+use tokenrouter::kernels::parallel::for_each_range;
 use tokenrouter::kernels::qmatmul::{
     BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, Isa, QuantKernel, QuantMatrix,
     WeightBlock,
 };
-use tokenrouter::model::packed_kernel;
+use tokenrouter::model::{packed_kernel, OwnKernel};
 
 /// One of our kernels on one weight matrix: `out = x · Wᵀ`.
 type Kernel<'a> = Box<dyn Fn(&[f32], &mut [f32]) + 'a>;
@@ -77,6 +82,53 @@ fn compare<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize, batches: 
     }
 }
 
+/// One row through copies of a `[rows, cols]` matrix worth ~600 MB, against a plain read of as
+/// many bytes; best of five rounds, interleaved.
+fn stream<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize) {
+    let dev = Device::Cpu;
+    let w = Tensor::randn(0f32, 0.05, (rows, cols), &dev).unwrap();
+    let bytes = QTensor::quantize(&w, dtype)
+        .unwrap()
+        .data()
+        .unwrap()
+        .to_vec();
+    let copies = (600 << 20) / bytes.len();
+    let kernel = || -> Box<dyn OwnKernel> {
+        packed_kernel(dtype, rows, cols, &bytes)
+            .unwrap_or_else(|| Box::new(QuantMatrix::<B>::from_bytes(rows, cols, &bytes).unwrap()))
+    };
+    let kernels: Vec<_> = (0..copies).map(|_| kernel()).collect();
+    let gb = (bytes.len() * copies) as f64 / 1e9;
+    let words: Vec<u64> = (0..(bytes.len() * copies / 8) as u64).collect();
+    let chunk = 1 << 14;
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut out = vec![0f32; rows];
+    let (mut ours, mut plain) = (0f64, 0f64);
+    for _ in 0..5 {
+        let t = Instant::now();
+        for k in &kernels {
+            k.matmul(&x, &mut out);
+        }
+        ours = ours.max(gb / t.elapsed().as_secs_f64());
+        let total = AtomicU64::new(0);
+        let t = Instant::now();
+        for_each_range(words.len() / chunk, |c| {
+            let part = words[c.start * chunk..c.end * chunk]
+                .iter()
+                .fold(0u64, |a, &x| a.wrapping_add(x));
+            total.fetch_add(part, Ordering::Relaxed);
+        });
+        plain =
+            plain.max((words.len() / chunk * chunk * 8) as f64 / 1e9 / t.elapsed().as_secs_f64());
+        std::hint::black_box(total.load(Ordering::Relaxed));
+    }
+    println!(
+        "{} {rows}x{cols} one row, from memory: {ours:.1} GB/s, plain read {plain:.1} GB/s ({:.0} %)",
+        B::NAME,
+        100.0 * ours / plain
+    );
+}
+
 fn main() {
     let which = std::env::args().nth(1).unwrap_or_default();
     let batches: Vec<usize> = match std::env::var("BATCH") {
@@ -96,6 +148,17 @@ fn main() {
         // decode step's weight streaming sees.
         compare::<BlockQ6K>(GgmlDType::Q6K, 151936, 1536, &batches);
         compare::<BlockQ4K>(GgmlDType::Q4K, 151936, 1536, &batches);
+    }
+    if which == "stream" {
+        // The 1.5B model's FFN matrices, the 0.5B's and its output projection.
+        stream::<BlockQ4K>(GgmlDType::Q4K, 8960, 1536);
+        stream::<BlockQ6K>(GgmlDType::Q6K, 8960, 1536);
+        stream::<BlockQ4K>(GgmlDType::Q4K, 1536, 8960);
+        stream::<BlockQ6K>(GgmlDType::Q6K, 1536, 8960);
+        stream::<BlockQ5_0>(GgmlDType::Q5_0, 4864, 896);
+        stream::<BlockQ8_0>(GgmlDType::Q8_0, 4864, 896);
+        stream::<BlockQ8_0>(GgmlDType::Q8_0, 151936, 896);
+        stream::<BlockQ4_1>(GgmlDType::Q4_1, 1536, 576);
     }
     if which.is_empty() || which == "simple" {
         // The 0.5B model's FFN up-projection.
