@@ -9,8 +9,8 @@ use candle_core::{Module, Tensor};
 
 use super::error::{ModelError, Result};
 use crate::kernels::qmatmul::{
-    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, PackedQ4K, PackedQ6K,
-    QuantKernel, QuantMatrix, WeightBlock,
+    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, PackedQ4K, PackedQ4_0,
+    PackedQ4_1, PackedQ5_0, PackedQ6K, PackedQ8_0, QuantKernel, QuantMatrix, WeightBlock,
 };
 
 pub trait WeightSource {
@@ -108,8 +108,8 @@ impl<K: QuantKernel> OwnKernel for K {
     }
 }
 
-/// Our kernel on a copy of `bytes` (a `[rows, cols]` matrix of `dtype`) repacked for it: the
-/// K-quants with whole groups of eight rows, interleaved (an exact repack; see
+/// Our kernel on a copy of `bytes` (a `[rows, cols]` matrix of `dtype`) repacked for it: every
+/// format our kernels take, with whole groups of eight rows, interleaved (an exact repack; see
 /// `kernels::qmatmul::x8`). `None` for other types and shapes.
 pub fn packed_kernel(
     dtype: GgmlDType,
@@ -121,6 +121,10 @@ pub fn packed_kernel(
         Box::new(k)
     }
     match dtype {
+        GgmlDType::Q4_0 => PackedQ4_0::from_bytes(rows, cols, bytes).map(boxed),
+        GgmlDType::Q4_1 => PackedQ4_1::from_bytes(rows, cols, bytes).map(boxed),
+        GgmlDType::Q5_0 => PackedQ5_0::from_bytes(rows, cols, bytes).map(boxed),
+        GgmlDType::Q8_0 => PackedQ8_0::from_bytes(rows, cols, bytes).map(boxed),
         GgmlDType::Q4K => PackedQ4K::from_bytes(rows, cols, bytes).map(boxed),
         GgmlDType::Q6K => PackedQ6K::from_bytes(rows, cols, bytes).map(boxed),
         _ => None,

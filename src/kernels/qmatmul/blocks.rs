@@ -75,31 +75,31 @@ impl<B: SimpleBlock> WeightBlock for B {
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct BlockQ4_0 {
-    d: f16,
-    qs: [u8; 16],
+    pub(super) d: f16,
+    pub(super) qs: [u8; 16],
 }
 
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct BlockQ4_1 {
-    d: f16,
-    m: f16,
-    qs: [u8; 16],
+    pub(super) d: f16,
+    pub(super) m: f16,
+    pub(super) qs: [u8; 16],
 }
 
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct BlockQ5_0 {
-    d: f16,
-    qh: [u8; 4],
-    qs: [u8; 16],
+    pub(super) d: f16,
+    pub(super) qh: [u8; 4],
+    pub(super) qs: [u8; 16],
 }
 
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct BlockQ8_0 {
-    d: f16,
-    qs: [i8; 32],
+    pub(super) d: f16,
+    pub(super) qs: [i8; 32],
 }
 
 fn nibbles(qs: &[u8; 16]) -> [u8; QK] {

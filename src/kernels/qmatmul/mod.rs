@@ -2,11 +2,11 @@
 //! Q8_0, Q4_K and Q6_K, with activations quantized to 8 bits once per row and integer dot
 //! products.
 //!
-//! * [`QuantMatrix`] keeps weights in their ggml block layout and reads them in place where the
-//!   loader keeps them (no repacking, no copy). The K-quants with whole groups of eight rows
-//!   (every K-quant matrix of the shipped models) are repacked exactly at load into
-//!   [`PackedMatrix`] (module `x8`), eight rows interleaved, whose kernels pay fewer multiplies
-//!   per multiply-add and no horizontal sums; the ggml copy is then dropped.
+//! * Matrices with whole groups of eight rows (every quantized matrix of the shipped models)
+//!   are repacked exactly at load into [`PackedMatrix`] (module `x8`), eight rows interleaved,
+//!   whose kernels pay fewer multiplies per multiply-add and no horizontal sums; the ggml copy
+//!   is then dropped unless the tensor is also the embedding. [`QuantMatrix`] keeps the rest
+//!   in their ggml block layout and reads them in place where the loader keeps them.
 //! * Activations are quantized per weight block: in blocks of 32 with their own scale for the
 //!   32-value formats (ggml's `q8_1`, [`ActBlock`]), in blocks of 256 with one scale and
 //!   per-16 sums for the K-quants (ggml's `q8_K`, [`ActBlockK`]), so a K-quant super-block
@@ -33,7 +33,10 @@ mod kquants;
 mod x8;
 pub use blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, SimpleBlock};
 pub use kquants::{ActBlockK, BlockQ4K, BlockQ6K, QK_K};
-pub use x8::{BlockQ4Kx8, BlockQ6Kx8, Interleaved, PackedMatrix, PackedQ4K, PackedQ6K};
+pub use x8::{
+    BlockQ4Kx8, BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ6Kx8, BlockQ8_0x8, Interleaved,
+    PackedMatrix, PackedQ4K, PackedQ4_0, PackedQ4_1, PackedQ5_0, PackedQ6K, PackedQ8_0,
+};
 
 /// Values per block of the 32-value formats.
 pub const QK: usize = 32;
@@ -86,14 +89,15 @@ pub trait WeightBlock: Copy + Send + Sync + 'static {
     );
 }
 
-/// One quantized block of 32 activations: `x ≈ d · qs`, and `s = d · Σ qs` rounded to f16
-/// (for Q4_1's offset).
+/// One quantized block of 32 activations: `x ≈ d · qs`, `s = d · Σ qs` rounded to f16 (for
+/// Q4_1's offset), and `sum = Σ qs` exactly (for the interleaved kernels' offsets).
 #[repr(C, align(32))]
 #[derive(Clone, Copy)]
 pub struct ActBlock {
     qs: [i8; QK],
     d: f32,
     s: f32,
+    sum: i32,
 }
 
 impl ActFormat for ActBlock {
@@ -102,6 +106,7 @@ impl ActFormat for ActBlock {
         qs: [0; QK],
         d: 0.0,
         s: 0.0,
+        sum: 0,
     };
 
     /// As ggml's `quantize_row_q8_1`: `d = amax / 127` rounded to f16, `q = round(x / d)`.
@@ -111,6 +116,7 @@ impl ActFormat for ActBlock {
         let d16 = f16::from_f32(d);
         block.d = d16.to_f32();
         block.s = (f16::from_f32(sum as f32) * d16).to_f32();
+        block.sum = sum;
     }
 
     fn value(&self, i: usize) -> f32 {

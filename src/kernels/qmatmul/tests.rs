@@ -236,10 +236,11 @@ fn the_best_instruction_set_is_one_this_cpu_has() {
     eprintln!("instruction sets here: {available:?}");
 }
 
-/// K-quants with rows interleaved eight at a time, against the same reference as the ggml
+/// Every format with rows interleaved eight at a time, against the same reference as the ggml
 /// layout, through every instruction set; row counts are multiples of 8 and batches pass
-/// through every tile height (6 down to 1) and leave tails.
+/// through every tile height and leave tails.
 fn check_packed<P: Interleaved>() {
+    type Act<P> = <<P as Interleaved>::Source as WeightBlock>::Act;
     let name = <P::Source as WeightBlock>::NAME;
     for (rows, blocks, batch) in [
         (8, 1, 1),
@@ -247,16 +248,17 @@ fn check_packed<P: Interleaved>() {
         (24, 3, 7),
         (64, 4, 16),
         (8, 2, 11),
+        (16, 28, 5),
         (8, 1, 0),
     ] {
-        let cols = blocks * QK_K;
+        let cols = blocks * Act::<P>::LEN;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((rows * 131 + cols + batch) as u64);
         let bytes = random_blocks::<P::Source>(rows * blocks, &mut rng);
         let m = PackedMatrix::<P>::from_bytes(rows, cols, &bytes).unwrap();
         let x: Vec<f32> = (0..batch * cols)
             .map(|_| rng.random_range(-3.0..3.0))
             .collect();
-        let mut acts = vec![ActBlockK::ZERO; batch * blocks];
+        let mut acts = vec![Act::<P>::ZERO; batch * blocks];
         for (row, a) in x.chunks_exact(cols).zip(acts.chunks_exact_mut(blocks)) {
             quantize_row(row, a);
         }
@@ -286,13 +288,36 @@ fn packed_q6_k_matches_the_dense_reference() {
 }
 
 #[test]
-fn packed_k_quants_need_whole_groups_of_eight_rows() {
+fn packed_q4_0_matches_the_dense_reference() {
+    check_packed::<BlockQ4_0x8>();
+}
+
+#[test]
+fn packed_q4_1_matches_the_dense_reference() {
+    check_packed::<BlockQ4_1x8>();
+}
+
+#[test]
+fn packed_q5_0_matches_the_dense_reference() {
+    check_packed::<BlockQ5_0x8>();
+}
+
+#[test]
+fn packed_q8_0_matches_the_dense_reference() {
+    check_packed::<BlockQ8_0x8>();
+}
+
+#[test]
+fn packed_matrices_need_whole_groups_of_eight_rows() {
     let bytes = vec![0u8; 12 * 210];
     assert!(PackedQ4K::from_bytes(12, 256, &bytes[..12 * 144]).is_none());
     assert!(PackedQ4K::from_bytes(8, 256, &bytes[..8 * 144]).is_some());
     assert!(PackedQ4K::from_bytes(8, 256, &bytes[..8 * 144 - 1]).is_none());
     assert!(PackedQ6K::from_bytes(12, 256, &bytes).is_none());
     assert!(PackedQ6K::from_bytes(8, 256, &bytes[..8 * 210]).is_some());
+    assert!(PackedQ5_0::from_bytes(12, 32, &bytes[..12 * 22]).is_none());
+    assert!(PackedQ5_0::from_bytes(8, 32, &bytes[..8 * 22]).is_some());
+    assert!(PackedQ8_0::from_bytes(8, 48, &bytes[..12 * 34]).is_none());
 }
 
 /// The SIMD activation quantizer gives the scalar one's bytes and scale, halves and the

@@ -1,4 +1,4 @@
-//! K-quant matrices with eight weight rows interleaved ([`Interleaved`] blocks, repacked exactly
+//! Quantized matrices with eight weight rows interleaved ([`Interleaved`] blocks, repacked exactly
 //! at load), so the eight 32-bit lanes of a SIMD register are eight output columns:
 //!
 //! * one 32-byte load holds four values of each of the eight rows, multiplied with four
@@ -12,11 +12,11 @@
 //! A batch of `m` rows is taken in tiles of up to [`Interleaved::TILE_ROWS`] activation rows,
 //! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`).
 
-use super::kquants::{ActBlockK, QK_K};
-use super::{for_each_slice_tile, Isa, QuantKernel, WeightBlock};
+use super::{for_each_slice_tile, ActFormat, Isa, QuantKernel, WeightBlock};
 use crate::kernels::parallel::DisjointOut;
 
-/// Dispatches a tile of `sums.len()` activation rows to `$kernel::<T>` for each listed `T`.
+/// Dispatches a tile of `sums.len()` activation rows to `$kernel::<T>` (or
+/// `$kernel::<G, T>`) for each listed `T`.
 macro_rules! dispatch_rows {
     ($kernel:ident, $w:expr, $acts:expr, $kb:expr, $sums:expr, [$($t:literal),*]) => {
         match $sums.len() {
@@ -24,38 +24,54 @@ macro_rules! dispatch_rows {
             n => unreachable!("no tile of {n} rows"),
         }
     };
+    ($kernel:ident<$g:ty>, $w:expr, $acts:expr, $kb:expr, $sums:expr, [$($t:literal),*]) => {
+        match $sums.len() {
+            $($t => $kernel::<$g, $t>($w, $acts, $kb, $sums),)*
+            n => unreachable!("no tile of {n} rows"),
+        }
+    };
 }
 
 mod q4k;
 mod q6k;
+mod simple;
 pub use q4k::BlockQ4Kx8;
 pub use q6k::BlockQ6Kx8;
+pub use simple::{BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ8_0x8};
 
 /// Weight rows interleaved in one block.
 pub const ROWS: usize = 8;
 /// The most activation rows any format's tile takes.
 const MAX_TILE_ROWS: usize = 8;
 
-/// Super-block `b` of eight weight rows of one K-quant format.
+/// Block `b` of eight weight rows of one format.
 pub trait Interleaved: Copy + Send + Sync + 'static {
     /// The ggml block it is packed from.
-    type Source: WeightBlock<Act = ActBlockK>;
+    type Source: WeightBlock;
     /// The most activation rows one tile multiplies (its sums stay in registers).
     const TILE_ROWS: usize;
-    /// Interleaves super-block `b` of eight rows.
+    /// Interleaves block `b` of eight rows.
     fn pack(rows: [&Self::Source; ROWS]) -> Self;
     /// The eight rows' dot products with one activation block: the portable path.
-    fn dot(&self, a: &ActBlockK) -> [f32; ROWS];
+    fn dot(&self, a: &Act<Self>) -> [f32; ROWS];
     /// `sums[r][i]` = activation row `r` (`kb` blocks each in `acts`) · weight row `i` of the
     /// group `w` (`kb` blocks), for `sums.len()` rows, 1 to `TILE_ROWS`.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_avx2(w: &[Self], acts: &[ActBlockK], kb: usize, sums: &mut [[f32; ROWS]]);
+    unsafe fn tile_avx2(w: &[Self], acts: &[Act<Self>], kb: usize, sums: &mut [[f32; ROWS]]);
 }
 
-/// A `[rows, cols]` K-quant matrix, rows interleaved eight at a time; `rows` a multiple of 8.
+/// The activation blocks an interleaved format multiplies.
+pub type Act<P> = <<P as Interleaved>::Source as WeightBlock>::Act;
+
+/// Values per block of an interleaved format.
+const fn block_len<P: Interleaved>() -> usize {
+    <Act<P> as ActFormat>::LEN
+}
+
+/// A `[rows, cols]` matrix, rows interleaved eight at a time; `rows` a multiple of 8.
 pub struct PackedMatrix<P: Interleaved> {
     rows: usize,
     cols: usize,
@@ -65,6 +81,10 @@ pub struct PackedMatrix<P: Interleaved> {
 
 pub type PackedQ4K = PackedMatrix<BlockQ4Kx8>;
 pub type PackedQ6K = PackedMatrix<BlockQ6Kx8>;
+pub type PackedQ4_0 = PackedMatrix<BlockQ4_0x8>;
+pub type PackedQ4_1 = PackedMatrix<BlockQ4_1x8>;
+pub type PackedQ5_0 = PackedMatrix<BlockQ5_0x8>;
+pub type PackedQ8_0 = PackedMatrix<BlockQ8_0x8>;
 
 impl<P: Interleaved> PackedMatrix<P> {
     /// Repacks ggml's bytes; `None` if the byte count does not match the shape or the rows are
@@ -72,12 +92,12 @@ impl<P: Interleaved> PackedMatrix<P> {
     pub fn from_bytes(rows: usize, cols: usize, bytes: &[u8]) -> Option<Self> {
         let size = std::mem::size_of::<P::Source>();
         if !rows.is_multiple_of(ROWS)
-            || !cols.is_multiple_of(QK_K)
-            || bytes.len() != rows * cols / QK_K * size
+            || !cols.is_multiple_of(block_len::<P>())
+            || bytes.len() != rows * cols / block_len::<P>() * size
         {
             return None;
         }
-        let kb = cols / QK_K;
+        let kb = cols / block_len::<P>();
         let block = |row: usize, b: usize| {
             let at = (row * kb + b) * size;
             // SAFETY: `at + size` is inside `bytes` (length checked above); the source block
@@ -97,7 +117,7 @@ impl<P: Interleaved> PackedMatrix<P> {
 }
 
 impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
-    type Act = ActBlockK;
+    type Act = Act<P>;
 
     fn rows(&self) -> usize {
         self.rows
@@ -111,8 +131,8 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
         std::mem::size_of_val(self.blocks.as_slice())
     }
 
-    fn matmul_quantized(&self, acts: &[ActBlockK], m: usize, out: &mut [f32], isa: Isa) {
-        let kb = self.cols / QK_K;
+    fn matmul_quantized(&self, acts: &[Act<P>], m: usize, out: &mut [f32], isa: Isa) {
+        let kb = self.cols / block_len::<P>();
         let n = self.rows;
         let out = DisjointOut::new(out);
         let group_bytes = kb * std::mem::size_of::<P>();
@@ -135,13 +155,7 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
 }
 
 /// One group's tile with the instruction set `isa`.
-fn tile<P: Interleaved>(
-    w: &[P],
-    acts: &[ActBlockK],
-    kb: usize,
-    sums: &mut [[f32; ROWS]],
-    isa: Isa,
-) {
+fn tile<P: Interleaved>(w: &[P], acts: &[Act<P>], kb: usize, sums: &mut [[f32; ROWS]], isa: Isa) {
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Scalar {
         // SAFETY: `isa` is one the CPU supports (`Isa::best`, or checked by `matmul_with`),
@@ -153,7 +167,7 @@ fn tile<P: Interleaved>(
 }
 
 /// The portable path.
-fn tile_scalar<P: Interleaved>(w: &[P], acts: &[ActBlockK], kb: usize, sums: &mut [[f32; ROWS]]) {
+fn tile_scalar<P: Interleaved>(w: &[P], acts: &[Act<P>], kb: usize, sums: &mut [[f32; ROWS]]) {
     for (r, s) in sums.iter_mut().enumerate() {
         *s = [0.0; ROWS];
         for (block, a) in w.iter().zip(&acts[r * kb..(r + 1) * kb]) {
@@ -171,20 +185,21 @@ unsafe fn broadcast4(p: *const u8) -> std::arch::x86_64::__m256i {
     std::arch::x86_64::_mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
 }
 
-/// Blocks ahead of the one being multiplied that [`prefetch_line`] reaches for.
-const PREFETCH_BLOCKS: usize = 2;
+/// Bytes ahead of the block being multiplied that [`prefetch_line`] reaches for (two to three
+/// K-quant blocks, a dozen or more of the 32-value ones).
+const PREFETCH_AHEAD: usize = 3072;
 
-/// Prefetches 64-byte line `line` of the block [`PREFETCH_BLOCKS`] after `block` (a group's
-/// blocks are one contiguous stream, and a task's groups follow each other). The kernels call
-/// it once per line, spread over their work on a block: a burst of a whole block's lines at
-/// once fills the core's miss buffers and stalls the arithmetic behind it (a 1536 × 8960 Q6_K
-/// matrix streamed from memory at one row: 11–12 GB/s that way, 15–18 spread, against 17–19
-/// for a plain read). Prefetches never fault, so running
-/// past the end is harmless.
+/// Prefetches 64-byte line `line` counted from [`PREFETCH_AHEAD`] bytes past `block` (a
+/// group's blocks are one contiguous stream, and a task's groups follow each other). The
+/// kernels call it once per line of a block, spread over their work on it: a burst of a whole
+/// block's lines at once fills the core's miss buffers and stalls the arithmetic behind it (a
+/// 1536 × 8960 Q6_K matrix streamed from memory at one row: 11–12 GB/s that way, 15–18
+/// spread, against 17–19 for a plain read). Prefetches never fault, so running past the end
+/// is harmless.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch_line<P>(block: &P, line: usize) {
     use std::arch::x86_64::*;
-    let ahead = (block as *const P).wrapping_add(PREFETCH_BLOCKS) as *const i8;
-    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
+    let ahead = (block as *const P as *const i8).wrapping_add(PREFETCH_AHEAD + 64 * line);
+    _mm_prefetch::<_MM_HINT_T0>(ahead);
 }

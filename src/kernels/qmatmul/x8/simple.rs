@@ -1,0 +1,405 @@
+//! The 32-value formats (Q4_0, Q4_1, Q5_0, Q8_0), eight rows interleaved: a register holds
+//! four values of each of the eight rows, so one `maddubs` with four activations broadcast to
+//! every lane serves eight rows, products add up in 16-bit lanes (eight per `madd` for the
+//! 4-bit formats, at most 8 · 2 · 15 · 127 = 30 480; four for Q5_0, 4 · 2 · 31 · 127 = 31 496;
+//! one for Q8_0, whose signed values take the sign trick) and each block ends with one float
+//! multiply-add per activation row for all eight rows. The row-major kernels unpack a block
+//! per row, pay a `madd` per `maddubs` and end every dot product with a horizontal sum.
+//!
+//! The 4-bit formats' values are unsigned here (Q4_0's -8 and Q5_0's -16 come back through
+//! the activation block's exact integer sum). Memory: exactly ggml's, eight blocks' bytes
+//! rearranged (144, 160, 176 and 272 bytes per eight rows' block).
+
+use half::f16;
+
+use super::{Interleaved, ROWS};
+use crate::kernels::qmatmul::{
+    ActBlock, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, SimpleBlock, WeightBlock, QK,
+};
+
+/// Index of byte `4g + k` of row `i` in an interleaved array: 32-byte group `g`, lane `i`.
+fn at(g: usize, i: usize, k: usize) -> usize {
+    (g * ROWS + i) * 4 + k
+}
+
+/// Eight rows' 16 bytes of nibbles interleaved: group `g < 4` holds bytes `4g..4g + 4` of
+/// every row, whose low nibbles are values `4g + k` and high nibbles values `16 + 4g + k`.
+fn interleave_nibbles(rows: [&[u8; 16]; ROWS]) -> [u8; 128] {
+    let mut out = [0u8; 128];
+    for (i, qs) in rows.iter().enumerate() {
+        for (j, &byte) in qs.iter().enumerate() {
+            out[at(j / 4, i, j % 4)] = byte;
+        }
+    }
+    out
+}
+
+/// Row `i`'s 16 bytes of nibbles back.
+fn row_nibbles(qs: &[u8; 128], i: usize) -> [u8; 16] {
+    std::array::from_fn(|j| qs[at(j / 4, i, j % 4)])
+}
+
+/// A 32-value format interleaved: its packing and the integer part of its dot products.
+pub trait SimpleX8: Copy + Send + Sync + 'static {
+    type Source: SimpleBlock + WeightBlock<Act = ActBlock>;
+    fn interleave(rows: [&Self::Source; ROWS]) -> Self;
+    /// Row `i`'s block back, as ggml stores it.
+    fn row(&self, i: usize) -> Self::Source;
+    /// The eight rows' scales.
+    fn d(&self) -> &[f16; ROWS];
+    /// The eight rows' offsets, for the formats that have one (multiplied with the activation
+    /// block's `s`, as ggml does).
+    fn m(&self) -> Option<&[f16; ROWS]> {
+        None
+    }
+    /// `Σ value · qs` for each activation row and weight row (a 32-bit lane per weight row),
+    /// the values with their signed offsets applied.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_i32<const T: usize>(
+        &self,
+        acts: &[&ActBlock; T],
+    ) -> [std::arch::x86_64::__m256i; T];
+}
+
+impl<S: SimpleX8> Interleaved for S {
+    type Source = S::Source;
+    const TILE_ROWS: usize = 4;
+
+    fn pack(rows: [&S::Source; ROWS]) -> Self {
+        S::interleave(rows)
+    }
+
+    fn dot(&self, a: &ActBlock) -> [f32; ROWS] {
+        std::array::from_fn(|i| self.row(i).dot(a))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tile_avx2(w: &[Self], acts: &[ActBlock], kb: usize, sums: &mut [[f32; ROWS]]) {
+        use avx2::tile;
+        dispatch_rows!(tile<S>, w, acts, kb, sums, [4, 3, 2, 1])
+    }
+}
+
+/// Eight Q4_0 blocks: values `0..15`, less 8.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+pub struct BlockQ4_0x8 {
+    qs: [u8; 128],
+    d: [f16; ROWS],
+}
+
+/// Eight Q4_1 blocks: values `0..15`, plus an offset.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+pub struct BlockQ4_1x8 {
+    qs: [u8; 128],
+    d: [f16; ROWS],
+    m: [f16; ROWS],
+}
+
+/// Eight Q5_0 blocks: values `0..31`, less 16.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+pub struct BlockQ5_0x8 {
+    /// The low four bits, as [`interleave_nibbles`].
+    qs: [u8; 128],
+    /// `qh[4i + k]`, bit `g`: the fifth bit of value `4g + k` of row `i` (the bit every value
+    /// vector needs sits in the byte of its lane).
+    qh: [u8; 32],
+    d: [f16; ROWS],
+}
+
+/// Eight Q8_0 blocks: signed values.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+pub struct BlockQ8_0x8 {
+    /// `qs[at(g, i, k)]`: value `4g + k` of row `i`.
+    qs: [i8; 256],
+    d: [f16; ROWS],
+}
+
+impl SimpleX8 for BlockQ4_0x8 {
+    type Source = BlockQ4_0;
+
+    fn interleave(rows: [&BlockQ4_0; ROWS]) -> Self {
+        Self {
+            qs: interleave_nibbles(rows.map(|r| &r.qs)),
+            d: rows.map(|r| r.d),
+        }
+    }
+
+    fn row(&self, i: usize) -> BlockQ4_0 {
+        BlockQ4_0 {
+            d: self.d[i],
+            qs: row_nibbles(&self.qs, i),
+        }
+    }
+
+    fn d(&self) -> &[f16; ROWS] {
+        &self.d
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn dot_i32<const T: usize>(
+        &self,
+        acts: &[&ActBlock; T],
+    ) -> [std::arch::x86_64::__m256i; T] {
+        use std::arch::x86_64::*;
+        let sums = avx2::nibble_dots(&self.qs, acts);
+        std::array::from_fn(|r| _mm256_sub_epi32(sums[r], _mm256_set1_epi32(8 * acts[r].sum)))
+    }
+}
+
+impl SimpleX8 for BlockQ4_1x8 {
+    type Source = BlockQ4_1;
+
+    fn interleave(rows: [&BlockQ4_1; ROWS]) -> Self {
+        Self {
+            qs: interleave_nibbles(rows.map(|r| &r.qs)),
+            d: rows.map(|r| r.d),
+            m: rows.map(|r| r.m),
+        }
+    }
+
+    fn row(&self, i: usize) -> BlockQ4_1 {
+        BlockQ4_1 {
+            d: self.d[i],
+            m: self.m[i],
+            qs: row_nibbles(&self.qs, i),
+        }
+    }
+
+    fn d(&self) -> &[f16; ROWS] {
+        &self.d
+    }
+
+    fn m(&self) -> Option<&[f16; ROWS]> {
+        Some(&self.m)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn dot_i32<const T: usize>(
+        &self,
+        acts: &[&ActBlock; T],
+    ) -> [std::arch::x86_64::__m256i; T] {
+        avx2::nibble_dots(&self.qs, acts)
+    }
+}
+
+impl SimpleX8 for BlockQ5_0x8 {
+    type Source = BlockQ5_0;
+
+    fn interleave(rows: [&BlockQ5_0; ROWS]) -> Self {
+        let mut qh = [0u8; 32];
+        for (i, r) in rows.iter().enumerate() {
+            let bits = u32::from_le_bytes(r.qh);
+            for j in 0..QK {
+                qh[4 * i + j % 4] |= (((bits >> j) & 1) as u8) << (j / 4);
+            }
+        }
+        Self {
+            qs: interleave_nibbles(rows.map(|r| &r.qs)),
+            qh,
+            d: rows.map(|r| r.d),
+        }
+    }
+
+    fn row(&self, i: usize) -> BlockQ5_0 {
+        let bits = (0..QK).fold(0u32, |acc, j| {
+            acc | ((((self.qh[4 * i + j % 4] >> (j / 4)) & 1) as u32) << j)
+        });
+        BlockQ5_0 {
+            d: self.d[i],
+            qh: bits.to_le_bytes(),
+            qs: row_nibbles(&self.qs, i),
+        }
+    }
+
+    fn d(&self) -> &[f16; ROWS] {
+        &self.d
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn dot_i32<const T: usize>(
+        &self,
+        acts: &[&ActBlock; T],
+    ) -> [std::arch::x86_64::__m256i; T] {
+        use std::arch::x86_64::*;
+        let m4 = _mm256_set1_epi8(0x0F);
+        let bit4 = _mm256_set1_epi8(0x10);
+        let qh = _mm256_loadu_si256(self.qh.as_ptr() as *const __m256i);
+        // Bit `g` of every byte to bit 4 (16-bit shifts: the masked bit stays in its byte).
+        let fifth = |g: usize| {
+            let moved = match g {
+                0 => _mm256_slli_epi16::<4>(qh),
+                1 => _mm256_slli_epi16::<3>(qh),
+                2 => _mm256_slli_epi16::<2>(qh),
+                3 => _mm256_slli_epi16::<1>(qh),
+                4 => qh,
+                5 => _mm256_srli_epi16::<1>(qh),
+                6 => _mm256_srli_epi16::<2>(qh),
+                _ => _mm256_srli_epi16::<3>(qh),
+            };
+            _mm256_and_si256(moved, bit4)
+        };
+        // Values 0..15 of each block in one sum, 16..31 in the other: four products each.
+        let mut lo = [_mm256_setzero_si256(); T];
+        let mut hi = [_mm256_setzero_si256(); T];
+        for g in 0..4 {
+            let raw = _mm256_loadu_si256(self.qs.as_ptr().add(32 * g) as *const __m256i);
+            let q_lo = _mm256_or_si256(_mm256_and_si256(raw, m4), fifth(g));
+            let q_hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4),
+                fifth(g + 4),
+            );
+            for r in 0..T {
+                let x = acts[r].qs.as_ptr() as *const u8;
+                lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(q_lo, avx2::bcast(x, g)));
+                hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(q_hi, avx2::bcast(x, g + 4)));
+            }
+        }
+        let ones = _mm256_set1_epi16(1);
+        std::array::from_fn(|r| {
+            let sum = _mm256_add_epi32(
+                _mm256_madd_epi16(lo[r], ones),
+                _mm256_madd_epi16(hi[r], ones),
+            );
+            _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * acts[r].sum))
+        })
+    }
+}
+
+impl SimpleX8 for BlockQ8_0x8 {
+    type Source = BlockQ8_0;
+
+    fn interleave(rows: [&BlockQ8_0; ROWS]) -> Self {
+        let mut qs = [0i8; 256];
+        for (i, r) in rows.iter().enumerate() {
+            for (j, &q) in r.qs.iter().enumerate() {
+                qs[at(j / 4, i, j % 4)] = q;
+            }
+        }
+        Self {
+            qs,
+            d: rows.map(|r| r.d),
+        }
+    }
+
+    fn row(&self, i: usize) -> BlockQ8_0 {
+        BlockQ8_0 {
+            d: self.d[i],
+            qs: std::array::from_fn(|j| self.qs[at(j / 4, i, j % 4)]),
+        }
+    }
+
+    fn d(&self) -> &[f16; ROWS] {
+        &self.d
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn dot_i32<const T: usize>(
+        &self,
+        acts: &[&ActBlock; T],
+    ) -> [std::arch::x86_64::__m256i; T] {
+        use std::arch::x86_64::*;
+        let ones = _mm256_set1_epi16(1);
+        let mut sums = [_mm256_setzero_si256(); T];
+        for g in 0..8 {
+            let q = _mm256_loadu_si256(self.qs.as_ptr().add(32 * g) as *const __m256i);
+            // |q| · (x with q's sign): unsigned × signed, as `maddubs` takes them (a pair
+            // at most 2 · 128 · 127, so each product needs its own `madd`).
+            let abs = _mm256_sign_epi8(q, q);
+            for r in 0..T {
+                let x = avx2::bcast(acts[r].qs.as_ptr() as *const u8, g);
+                let p = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, q));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(p, ones));
+            }
+        }
+        sums
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::super::{broadcast4, prefetch_line};
+    use super::{ActBlock, SimpleX8, ROWS};
+
+    /// Activations `4g..4g + 4` of a block broadcast to every lane.
+    #[inline(always)]
+    pub(super) unsafe fn bcast(x: *const u8, g: usize) -> __m256i {
+        broadcast4(x.add(4 * g))
+    }
+
+    /// `Σ q · x` for the unsigned nibbles of the 4-bit formats: all eight products of a block
+    /// in 16-bit lanes, one `madd` per activation row.
+    #[inline(always)]
+    pub(super) unsafe fn nibble_dots<const T: usize>(
+        qs: &[u8; 128],
+        acts: &[&ActBlock; T],
+    ) -> [__m256i; T] {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let mut part = [_mm256_setzero_si256(); T];
+        for g in 0..4 {
+            let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * g) as *const __m256i);
+            let lo = _mm256_and_si256(raw, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
+            for r in 0..T {
+                let x = acts[r].qs.as_ptr() as *const u8;
+                let p = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, bcast(x, g)),
+                    _mm256_maddubs_epi16(hi, bcast(x, g + 4)),
+                );
+                part[r] = _mm256_add_epi16(part[r], p);
+            }
+        }
+        let ones = _mm256_set1_epi16(1);
+        std::array::from_fn(|r| _mm256_madd_epi16(part[r], ones))
+    }
+
+    /// `T` activation rows × one group of eight weight rows.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `acts` holds `T · kb` blocks, `w` `kb`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile<S: SimpleX8, const T: usize>(
+        w: &[S],
+        acts: &[ActBlock],
+        kb: usize,
+        sums: &mut [[f32; ROWS]],
+    ) {
+        debug_assert!(w.len() == kb && acts.len() == T * kb && sums.len() == T);
+        let lines = std::mem::size_of::<S>().div_ceil(64);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..kb {
+            let block = w.get_unchecked(b);
+            for line in 0..lines {
+                prefetch_line(block, line);
+            }
+            let rows: [&ActBlock; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
+            let dots = block.dot_i32(&rows);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(block.d().as_ptr() as *const __m128i));
+            for r in 0..T {
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(rows[r].d));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r]);
+            }
+            if let Some(m) = block.m() {
+                let m = _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr() as *const __m128i));
+                for r in 0..T {
+                    acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s), acc[r]);
+                }
+            }
+        }
+        for (s, a) in sums.iter_mut().zip(acc) {
+            _mm256_storeu_ps(s.as_mut_ptr(), a);
+        }
+    }
+}
