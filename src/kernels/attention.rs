@@ -5,13 +5,18 @@
 //! are contiguous. Token `i` of a sequence whose new tokens start at position `p` attends to
 //! cache positions `0..=p + i`. The softmax is computed online, one block at a time (running
 //! maximum and sum), so it is numerically stable for any context length, and the query heads
-//! of one GQA group share every K/V row read. Work is split over (token, KV head) pairs.
+//! of one GQA group share every K/V row read. Work is split over (token, KV head) pairs, and
+//! when there are too few of them to keep every thread busy (a decode step of a model with two
+//! or three KV heads) also over chunks of each pair's context, whose softmax states (maximum,
+//! sum, unnormalised output) are merged afterwards.
 
-use super::parallel::{for_each_range, DisjointOut};
-use super::{axpy, dot};
+use super::parallel::{current_threads, for_each_range, DisjointOut};
+use super::{axpy, dot, exp_in_place};
 
 /// Largest supported block size: scores of one block live on the stack.
 pub const MAX_BLOCK_SIZE: usize = 256;
+/// Fewest cache positions a context chunk covers when contexts are split.
+const MIN_CHUNK_POSITIONS: usize = 64;
 
 /// One layer's paged K and V storage.
 pub struct PagedKv<'a> {
@@ -64,42 +69,217 @@ pub fn paged_attention(
         .collect();
     assert_eq!(q.len(), token_ctx.len() * num_heads * hd);
 
-    // One work item per (token, KV head): the `group` query heads that share that KV head,
-    // which are contiguous in `q` and `out`.
+    let pairs = token_ctx.len() * kv.num_kv_heads;
     let width = group * hd;
     let out = DisjointOut::new(out);
-    for_each_range(token_ctx.len() * kv.num_kv_heads, |items| {
-        for item in items {
-            let token = item / kv.num_kv_heads;
-            let kv_head = item % kv.num_kv_heads;
-            let (s, ctx) = token_ctx[token];
-            // SAFETY: item `item` owns exactly these `width` output elements.
-            let out_g = unsafe { out.slice(item * width, width) };
-            let q_g = &q[item * width..(item + 1) * width];
-            attend_group(q_g, out_g, kv, seqs[s].blocks, kv_head, ctx, scale);
+    let Some(chunk) = chunk_blocks(&token_ctx, pairs, kv.block_size) else {
+        // One work item per (token, KV head): the `group` query heads that share that KV
+        // head, which are contiguous in `q` and `out`.
+        for_each_range(pairs, |items| {
+            for item in items {
+                let (s, ctx) = token_ctx[item / kv.num_kv_heads];
+                let kv_head = item % kv.num_kv_heads;
+                // SAFETY: item `item` owns exactly these `width` output elements.
+                let out_g = unsafe { out.slice(item * width, width) };
+                let q_g = &q[item * width..(item + 1) * width];
+                let mut state = SoftmaxState::new(group);
+                out_g.fill(0.0);
+                attend_blocks(
+                    q_g,
+                    out_g,
+                    kv,
+                    seqs[s].blocks,
+                    0,
+                    kv_head,
+                    ctx,
+                    scale,
+                    &mut state,
+                );
+                state.normalise(out_g, hd);
+            }
+        });
+        return;
+    };
+    // Work items are (pair, first block of its chunk), a pair's chunks consecutive; each
+    // leaves its unnormalised output and softmax state in `partial`.
+    let items: Vec<(usize, usize)> = (0..pairs)
+        .flat_map(|pair| {
+            let ctx = token_ctx[pair / kv.num_kv_heads].1;
+            (0..ctx.div_ceil(kv.block_size))
+                .step_by(chunk)
+                .map(move |first| (pair, first))
+        })
+        .collect();
+    let stride = width + 2 * group;
+    let mut partial = vec![0f32; items.len() * stride];
+    let parts = DisjointOut::new(&mut partial);
+    for_each_range(items.len(), |range| {
+        for i in range {
+            let (pair, first) = items[i];
+            let (s, ctx) = token_ctx[pair / kv.num_kv_heads];
+            let blocks = seqs[s].blocks;
+            let blocks = &blocks[first..blocks.len().min(first + chunk)];
+            // SAFETY: item `i` owns exactly these `stride` elements of `partial`.
+            let part = unsafe { parts.slice(i * stride, stride) };
+            let (acc, max_sum) = part.split_at_mut(width);
+            let mut state = SoftmaxState::new(group);
+            let q_g = &q[pair * width..(pair + 1) * width];
+            let first_pos = first * kv.block_size;
+            let kv_head = pair % kv.num_kv_heads;
+            attend_blocks(
+                q_g, acc, kv, blocks, first_pos, kv_head, ctx, scale, &mut state,
+            );
+            max_sum[..group].copy_from_slice(&state.max);
+            max_sum[group..].copy_from_slice(&state.sum);
         }
     });
+    // Merge each pair's chunks: rescale every chunk to the largest maximum.
+    let mut start = 0;
+    while start < items.len() {
+        let pair = items[start].0;
+        let end = start + items[start..].iter().take_while(|it| it.0 == pair).count();
+        // SAFETY: the parallel call is over; pair `pair` owns these `width` elements.
+        let out_g = unsafe { out.slice(pair * width, width) };
+        for h in 0..group {
+            let chunk_state = |i: usize| {
+                let base = i * stride + width;
+                (partial[base + h], partial[base + group + h])
+            };
+            let max = (start..end).fold(f32::NEG_INFINITY, |m, i| m.max(chunk_state(i).0));
+            let dst = &mut out_g[h * hd..(h + 1) * hd];
+            dst.fill(0.0);
+            let mut sum = 0.0;
+            for i in start..end {
+                let (m, s) = chunk_state(i);
+                let w = (m - max).exp();
+                sum += s * w;
+                axpy(
+                    dst,
+                    w,
+                    &partial[i * stride + h * hd..i * stride + (h + 1) * hd],
+                );
+            }
+            dst.iter_mut().for_each(|a| *a /= sum);
+        }
+        start = end;
+    }
 }
 
-/// Attention of the `group` query heads sharing `kv_head`, over the first `ctx` cache positions.
-fn attend_group(
+/// Blocks per context chunk when (token, KV head) pairs alone are too few to give every thread
+/// several work items and some context is long enough to split; `None` otherwise.
+fn chunk_blocks(token_ctx: &[(usize, usize)], pairs: usize, block_size: usize) -> Option<usize> {
+    let wanted = 4 * current_threads();
+    let longest = token_ctx.iter().map(|t| t.1).max().unwrap_or(0);
+    if pairs == 0 || pairs >= wanted || longest < 2 * MIN_CHUNK_POSITIONS {
+        return None;
+    }
+    let splits = wanted.div_ceil(pairs);
+    let min_blocks = MIN_CHUNK_POSITIONS.div_ceil(block_size);
+    let blocks = longest
+        .div_ceil(block_size)
+        .div_ceil(splits)
+        .max(min_blocks);
+    (blocks * block_size < longest).then_some(blocks)
+}
+
+/// The running maximum and sum of the online softmax of each query head of a group.
+struct SoftmaxState {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+impl SoftmaxState {
+    fn new(group: usize) -> Self {
+        Self {
+            max: vec![f32::NEG_INFINITY; group],
+            sum: vec![0f32; group],
+        }
+    }
+
+    /// Divides each head's accumulated output by its sum.
+    fn normalise(&self, out: &mut [f32], hd: usize) {
+        for (h, sum) in self.sum.iter().enumerate() {
+            let inv = 1.0 / sum;
+            out[h * hd..(h + 1) * hd].iter_mut().for_each(|a| *a *= inv);
+        }
+    }
+}
+
+/// Attention of the `group` query heads sharing `kv_head` over `blocks` (the first holding
+/// position `first_pos`) up to position `ctx`: adds the unnormalised weighted values to
+/// `out` and updates `state`. With AVX2 and FMA where the CPU has them.
+#[allow(clippy::too_many_arguments)]
+fn attend_blocks(
     q: &[f32],
     out: &mut [f32],
     kv: &PagedKv,
     blocks: &[u32],
+    first_pos: usize,
     kv_head: usize,
     ctx: usize,
     scale: f32,
+    state: &mut SoftmaxState,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if super::qmatmul::Isa::best() != super::qmatmul::Isa::Scalar {
+        // SAFETY: every SIMD `Isa` includes AVX2 and FMA.
+        return unsafe {
+            attend_blocks_avx2(q, out, kv, blocks, first_pos, kv_head, ctx, scale, state)
+        };
+    }
+    attend_blocks_with(
+        dot, axpy, q, out, kv, blocks, first_pos, kv_head, ctx, scale, state,
+    )
+}
+
+/// [`attend_blocks`] compiled for AVX2 and FMA.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_blocks_avx2(
+    q: &[f32],
+    out: &mut [f32],
+    kv: &PagedKv,
+    blocks: &[u32],
+    first_pos: usize,
+    kv_head: usize,
+    ctx: usize,
+    scale: f32,
+    state: &mut SoftmaxState,
+) {
+    use super::avx2;
+    // SAFETY (of the calls): this function only runs where AVX2 and FMA are available.
+    let dot = |a: &[f32], b: &[f32]| unsafe { avx2::dot(a, b) };
+    let axpy = |acc: &mut [f32], w: f32, x: &[f32]| unsafe { avx2::axpy(acc, w, x) };
+    attend_blocks_with(
+        dot, axpy, q, out, kv, blocks, first_pos, kv_head, ctx, scale, state,
+    )
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_blocks_with(
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+    axpy: impl Fn(&mut [f32], f32, &[f32]),
+    q: &[f32],
+    out: &mut [f32],
+    kv: &PagedKv,
+    blocks: &[u32],
+    first_pos: usize,
+    kv_head: usize,
+    ctx: usize,
+    scale: f32,
+    state: &mut SoftmaxState,
 ) {
     let hd = kv.head_dim;
     let bs = kv.block_size;
     let group = q.len() / hd;
-    let mut running_max = vec![f32::NEG_INFINITY; group];
-    let mut running_sum = vec![0f32; group];
-    out.fill(0.0);
     let mut scores = [0f32; MAX_BLOCK_SIZE];
     for (bi, &block) in blocks.iter().enumerate() {
-        let start = bi * bs;
+        let start = first_pos + bi * bs;
         if start >= ctx {
             break;
         }
@@ -115,23 +295,20 @@ fn attend_group(
                 *score = dot(qh, k) * scale;
                 block_max = block_max.max(*score);
             }
-            let new_max = running_max[h].max(block_max);
-            let correction = (running_max[h] - new_max).exp();
+            let new_max = state.max[h].max(block_max);
+            let correction = (state.max[h] - new_max).exp();
             if correction != 1.0 {
                 acc.iter_mut().for_each(|a| *a *= correction);
-                running_sum[h] *= correction;
+                state.sum[h] *= correction;
             }
-            for (score, v) in scores[..n].iter().zip(v_rows.chunks_exact(hd)) {
-                let w = (score - new_max).exp();
-                running_sum[h] += w;
+            scores[..n].iter_mut().for_each(|s| *s -= new_max);
+            exp_in_place(&mut scores[..n]);
+            for (&w, v) in scores[..n].iter().zip(v_rows.chunks_exact(hd)) {
+                state.sum[h] += w;
                 axpy(acc, w, v);
             }
-            running_max[h] = new_max;
+            state.max[h] = new_max;
         }
-    }
-    for h in 0..group {
-        let inv = 1.0 / running_sum[h];
-        out[h * hd..(h + 1) * hd].iter_mut().for_each(|a| *a *= inv);
     }
 }
 
@@ -268,6 +445,28 @@ mod tests {
     #[test]
     fn odd_head_dim_and_block_size_match_dense_attention() {
         run_case(5, 6, 3, 13, &[(0, 17), (33, 1)]);
+    }
+
+    #[test]
+    fn long_decode_contexts_split_over_threads_match_dense_attention() {
+        // Few (token, KV head) pairs and long contexts: each context is cut into chunks whose
+        // softmax states are merged; a short sequence in the same batch stays whole.
+        run_case(16, 8, 2, 32, &[(300, 1)]);
+        run_case(5, 6, 3, 13, &[(257, 1), (3, 2)]);
+        run_case(16, 4, 1, 16, &[(1000, 1), (130, 1)]);
+    }
+
+    #[test]
+    fn contexts_split_only_when_pairs_are_few_and_long() {
+        let threads = current_threads();
+        // Short contexts: never split.
+        assert_eq!(chunk_blocks(&[(0, 100)], 1, 16), None);
+        // Enough pairs for every thread: never split.
+        assert_eq!(chunk_blocks(&[(0, 5000)], 4 * threads, 16), None);
+        // One long decode: whole blocks, at least MIN_CHUNK_POSITIONS each, fewer than the
+        // context.
+        let blocks = chunk_blocks(&[(0, 5000)], 1, 16).expect("a long context splits");
+        assert!(blocks * 16 >= MIN_CHUNK_POSITIONS && blocks * 16 < 5000);
     }
 
     #[test]

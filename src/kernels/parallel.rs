@@ -240,6 +240,15 @@ pub fn for_each_range(n_items: usize, f: impl Fn(Range<usize>) + Sync) {
     }
 }
 
+/// Compute threads of this thread's pool (the caller included).
+pub fn current_threads() -> usize {
+    let pool = CURRENT.with(|c| c.borrow().clone());
+    match pool {
+        Some(pool) => pool.threads(),
+        None => process_pool().threads(),
+    }
+}
+
 /// A raw output pointer that parallel tasks write through, each to elements no other task
 /// touches.
 #[derive(Clone, Copy)]
