@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
-use super::weights::{Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
+use super::weights::{FusedLinear, Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
 use crate::kernels::attention::{paged_attention, AttentionSeq};
 use crate::kernels::rope::{inverse_frequencies, RotaryAngles};
 
@@ -36,17 +36,16 @@ pub struct ForwardOutput {
 }
 
 struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q, k and v.
+    qkv: FusedLinear,
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
 }
 
 struct Mlp {
-    gate: Linear,
-    up: Linear,
+    /// gate and up.
+    gate_up: FusedLinear,
     down: Linear,
 }
 
@@ -103,9 +102,16 @@ impl DecoderLayer {
             RmsNorm::load(src, &format!("{p}.{name}.weight"), c.head_dim, eps)
         };
         let attn = Attention {
-            q: Linear::load(src, &format!("{p}.attn_q"), c.q_dim(), h, c.qkv_bias)?,
-            k: Linear::load(src, &format!("{p}.attn_k"), c.kv_dim(), h, c.qkv_bias)?,
-            v: Linear::load(src, &format!("{p}.attn_v"), c.kv_dim(), h, c.qkv_bias)?,
+            qkv: FusedLinear::load(
+                src,
+                &[
+                    (&format!("{p}.attn_q"), c.q_dim()),
+                    (&format!("{p}.attn_k"), c.kv_dim()),
+                    (&format!("{p}.attn_v"), c.kv_dim()),
+                ],
+                h,
+                c.qkv_bias,
+            )?,
             o: Linear::load(src, &format!("{p}.attn_output"), h, c.q_dim(), false)?,
             q_norm: c
                 .qk_norm
@@ -122,8 +128,15 @@ impl DecoderLayer {
             attn,
             ffn_norm: RmsNorm::load(src, &format!("{p}.ffn_norm.weight"), h, eps)?,
             mlp: Mlp {
-                gate: Linear::load(src, &format!("{p}.ffn_gate"), ffn, h, false)?,
-                up: Linear::load(src, &format!("{p}.ffn_up"), ffn, h, false)?,
+                gate_up: FusedLinear::load(
+                    src,
+                    &[
+                        (&format!("{p}.ffn_gate"), ffn),
+                        (&format!("{p}.ffn_up"), ffn),
+                    ],
+                    h,
+                    false,
+                )?,
                 down: Linear::load(src, &format!("{p}.ffn_down"), h, ffn, false)?,
             },
         })
@@ -292,7 +305,12 @@ impl Model {
             x = (x + a)?;
             let h = layer.ffn_norm.forward(&x)?;
             let m = &layer.mlp;
-            let gated = (candle_nn::ops::silu(&m.gate.forward(&h)?)? * m.up.forward(&h)?)?;
+            let [gate, up]: [Tensor; 2] = m
+                .gate_up
+                .forward(&h)?
+                .try_into()
+                .expect("gate and up were loaded together");
+            let gated = (candle_nn::ops::silu(&gate)? * up)?;
             x = (x + m.down.forward(&gated)?)?;
         }
         Ok(Some((x, last_rows)))
@@ -316,9 +334,14 @@ impl Model {
             };
             Ok(y.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
         };
-        let mut q = heads(attn.q.forward(x)?, c.num_heads, &attn.q_norm)?;
-        let mut k = heads(attn.k.forward(x)?, c.num_kv_heads, &attn.k_norm)?;
-        let v = heads(attn.v.forward(x)?, c.num_kv_heads, &None)?;
+        let [q, k, v]: [Tensor; 3] = attn
+            .qkv
+            .forward(x)?
+            .try_into()
+            .expect("q, k and v were loaded together");
+        let mut q = heads(q, c.num_heads, &attn.q_norm)?;
+        let mut k = heads(k, c.num_kv_heads, &attn.k_norm)?;
+        let v = heads(v, c.num_kv_heads, &None)?;
         angles.apply(&mut q, c.num_heads);
         angles.apply(&mut k, c.num_kv_heads);
         kv.write(layer, seqs, &k, &v);

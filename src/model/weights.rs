@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Module, Tensor};
 
 use super::error::{ModelError, Result};
@@ -72,6 +72,58 @@ impl Weight {
             },
             Self::Dense(t) => Matmul::Candle(QMatMul::Tensor(t.clone())),
         })
+    }
+
+    /// The matrices' rows one after another, as one matrix, where they share a storage
+    /// format (the same quantized type, or all dense) and a row width; `None` otherwise.
+    pub fn stack(parts: &[Weight]) -> Result<Option<Weight>> {
+        let cols = |w: &Weight| match w {
+            Self::Quantized(q) => q.shape().dims2().map(|d| d.1).ok(),
+            Self::Dense(t) => t.dims2().map(|d| d.1).ok(),
+        };
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
+        if parts.iter().any(|w| cols(w) != cols(first)) || cols(first).is_none() {
+            return Ok(None);
+        }
+        let quantized: Vec<&Arc<QTensor>> = parts
+            .iter()
+            .filter_map(|w| match w {
+                Self::Quantized(q) if q.device().is_cpu() => Some(q),
+                _ => None,
+            })
+            .collect();
+        if quantized.len() == parts.len() {
+            let dtype = quantized[0].dtype();
+            if quantized.iter().any(|q| q.dtype() != dtype) {
+                return Ok(None);
+            }
+            let mut bytes = Vec::new();
+            let mut rows = 0;
+            for q in &quantized {
+                bytes.extend_from_slice(&q.data()?);
+                rows += q.shape().dims2()?.0;
+            }
+            let device = quantized[0].device();
+            let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &device, dtype)?;
+            let cols = cols(first).unwrap_or_default();
+            return Ok(Some(Self::Quantized(Arc::new(QTensor::new(
+                storage,
+                (rows, cols),
+            )?))));
+        }
+        let dense: Vec<&Tensor> = parts
+            .iter()
+            .filter_map(|w| match w {
+                Self::Dense(t) => Some(t),
+                Self::Quantized(_) => None,
+            })
+            .collect();
+        if dense.len() == parts.len() && dense.iter().all(|t| t.dtype() == dense[0].dtype()) {
+            return Ok(Some(Self::Dense(Tensor::cat(&dense, 0)?)));
+        }
+        Ok(None)
     }
 
     /// Rows `ids` of the matrix (embedding lookup), as `[ids, cols]` `f32`.
@@ -232,6 +284,70 @@ impl Linear {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+}
+
+/// Projections of one input (q/k/v, gate/up) as one matmul where their weights share a
+/// format: rows stacked at load, one pass over the input (quantized once, one parallel call),
+/// the output split after. Separate matmuls otherwise (a checkpoint that quantizes `v` more
+/// finely than `q` and `k`, say).
+pub enum FusedLinear {
+    Fused { linear: Linear, parts: Vec<usize> },
+    Separate(Vec<Linear>),
+}
+
+impl FusedLinear {
+    /// `names[i]` with `rows[i]` output rows each, all over `inp` inputs.
+    pub fn load(
+        src: &mut dyn WeightSource,
+        parts: &[(&str, usize)],
+        inp: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let backend = src.backend();
+        let mut weights = Vec::with_capacity(parts.len());
+        let mut biases = Vec::with_capacity(parts.len());
+        for &(name, rows) in parts {
+            weights.push(src.matrix(&format!("{name}.weight"), rows, inp)?);
+            if bias {
+                biases.push(src.vector(&format!("{name}.bias"), rows)?);
+            }
+        }
+        if let Some(stacked) = Weight::stack(&weights)? {
+            let bias = match bias {
+                true => Some(Tensor::cat(&biases, 0)?),
+                false => None,
+            };
+            return Ok(Self::Fused {
+                linear: Linear::new(stacked.matmul(backend)?, bias),
+                parts: parts.iter().map(|p| p.1).collect(),
+            });
+        }
+        let mut biases = biases.into_iter();
+        weights
+            .iter()
+            .map(|w| Ok(Linear::new(w.matmul(backend)?, biases.next())))
+            .collect::<Result<Vec<_>>>()
+            .map(Self::Separate)
+    }
+
+    /// Each projection of `x` (`[tokens, in]`), in the order loaded.
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Self::Fused { linear, parts } => {
+                let y = linear.forward(x)?;
+                let mut start = 0;
+                parts
+                    .iter()
+                    .map(|&rows| {
+                        let part = y.narrow(1, start, rows)?;
+                        start += rows;
+                        Ok(part)
+                    })
+                    .collect()
+            }
+            Self::Separate(linears) => linears.iter().map(|l| l.forward(x)).collect(),
+        }
     }
 }
 
