@@ -84,17 +84,14 @@ pub fn paged_attention(
                 let q_g = &q[item * width..(item + 1) * width];
                 let mut state = SoftmaxState::new(group);
                 out_g.fill(0.0);
-                attend_blocks(
-                    q_g,
-                    out_g,
-                    kv,
-                    seqs[s].blocks,
-                    0,
+                let span = Span {
+                    blocks: seqs[s].blocks,
+                    first_pos: 0,
                     kv_head,
                     ctx,
                     scale,
-                    &mut state,
-                );
+                };
+                attend_blocks(q_g, out_g, kv, span, &mut state);
                 state.normalise(out_g, hd);
             }
         });
@@ -124,11 +121,14 @@ pub fn paged_attention(
             let (acc, max_sum) = part.split_at_mut(width);
             let mut state = SoftmaxState::new(group);
             let q_g = &q[pair * width..(pair + 1) * width];
-            let first_pos = first * kv.block_size;
-            let kv_head = pair % kv.num_kv_heads;
-            attend_blocks(
-                q_g, acc, kv, blocks, first_pos, kv_head, ctx, scale, &mut state,
-            );
+            let span = Span {
+                blocks,
+                first_pos: first * kv.block_size,
+                kv_head: pair % kv.num_kv_heads,
+                ctx,
+                scale,
+            };
+            attend_blocks(q_g, acc, kv, span, &mut state);
             max_sum[..group].copy_from_slice(&state.max);
             max_sum[group..].copy_from_slice(&state.sum);
         }
@@ -205,31 +205,26 @@ impl SoftmaxState {
     }
 }
 
-/// Attention of the `group` query heads sharing `kv_head` over `blocks` (the first holding
-/// position `first_pos`) up to position `ctx`: adds the unnormalised weighted values to
-/// `out` and updates `state`. With AVX2 and FMA where the CPU has them.
-#[allow(clippy::too_many_arguments)]
-fn attend_blocks(
-    q: &[f32],
-    out: &mut [f32],
-    kv: &PagedKv,
-    blocks: &[u32],
+/// The cache positions one work item attends to: `blocks` (the first holding position
+/// `first_pos`) of KV head `kv_head`, up to position `ctx`; scores scaled by `scale`.
+#[derive(Clone, Copy)]
+struct Span<'a> {
+    blocks: &'a [u32],
     first_pos: usize,
     kv_head: usize,
     ctx: usize,
     scale: f32,
-    state: &mut SoftmaxState,
-) {
+}
+
+/// Attention of the query heads of `q` (one GQA group) over `span`: adds the unnormalised
+/// weighted values to `out` and updates `state`. With AVX2 and FMA where the CPU has them.
+fn attend_blocks(q: &[f32], out: &mut [f32], kv: &PagedKv, span: Span, state: &mut SoftmaxState) {
     #[cfg(target_arch = "x86_64")]
     if super::qmatmul::Isa::best() != super::qmatmul::Isa::Scalar {
         // SAFETY: every SIMD `Isa` includes AVX2 and FMA.
-        return unsafe {
-            attend_blocks_avx2(q, out, kv, blocks, first_pos, kv_head, ctx, scale, state)
-        };
+        return unsafe { attend_blocks_avx2(q, out, kv, span, state) };
     }
-    attend_blocks_with(
-        dot, axpy, q, out, kv, blocks, first_pos, kv_head, ctx, scale, state,
-    )
+    attend_blocks_with(dot, axpy, q, out, kv, span, state)
 }
 
 /// [`attend_blocks`] compiled for AVX2 and FMA.
@@ -238,45 +233,40 @@ fn attend_blocks(
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn attend_blocks_avx2(
     q: &[f32],
     out: &mut [f32],
     kv: &PagedKv,
-    blocks: &[u32],
-    first_pos: usize,
-    kv_head: usize,
-    ctx: usize,
-    scale: f32,
+    span: Span,
     state: &mut SoftmaxState,
 ) {
     use super::avx2;
     // SAFETY (of the calls): this function only runs where AVX2 and FMA are available.
     let dot = |a: &[f32], b: &[f32]| unsafe { avx2::dot(a, b) };
     let axpy = |acc: &mut [f32], w: f32, x: &[f32]| unsafe { avx2::axpy(acc, w, x) };
-    attend_blocks_with(
-        dot, axpy, q, out, kv, blocks, first_pos, kv_head, ctx, scale, state,
-    )
+    attend_blocks_with(dot, axpy, q, out, kv, span, state)
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn attend_blocks_with(
     dot: impl Fn(&[f32], &[f32]) -> f32,
     axpy: impl Fn(&mut [f32], f32, &[f32]),
     q: &[f32],
     out: &mut [f32],
     kv: &PagedKv,
-    blocks: &[u32],
-    first_pos: usize,
-    kv_head: usize,
-    ctx: usize,
-    scale: f32,
+    span: Span,
     state: &mut SoftmaxState,
 ) {
     let hd = kv.head_dim;
     let bs = kv.block_size;
     let group = q.len() / hd;
+    let Span {
+        blocks,
+        first_pos,
+        kv_head,
+        ctx,
+        scale,
+    } = span;
     let mut scores = [0f32; MAX_BLOCK_SIZE];
     for (bi, &block) in blocks.iter().enumerate() {
         let start = first_pos + bi * bs;
