@@ -233,20 +233,19 @@ fn process_pool() -> &'static Arc<ComputePool> {
 /// Calls `f` on disjoint ranges that together cover `0..n_items`, in parallel on this
 /// thread's pool; returns when all are done.
 pub fn for_each_range(n_items: usize, f: impl Fn(Range<usize>) + Sync) {
-    let pool = CURRENT.with(|c| c.borrow().clone());
-    match pool {
-        Some(pool) => pool.for_each_range(n_items, f),
-        None => process_pool().for_each_range(n_items, f),
-    }
+    current_pool().for_each_range(n_items, f)
+}
+
+/// This thread's pool: its own, or the process-wide one.
+fn current_pool() -> Arc<ComputePool> {
+    CURRENT
+        .with(|c| c.borrow().clone())
+        .unwrap_or_else(|| process_pool().clone())
 }
 
 /// Compute threads of this thread's pool (the caller included).
 pub fn current_threads() -> usize {
-    let pool = CURRENT.with(|c| c.borrow().clone());
-    match pool {
-        Some(pool) => pool.threads(),
-        None => process_pool().threads(),
-    }
+    current_pool().threads()
 }
 
 /// A raw output pointer that parallel tasks write through, each to elements no other task
