@@ -11,7 +11,7 @@
 //! sum, unnormalised output) are merged afterwards.
 
 use super::parallel::{current_threads, for_each_range, DisjointOut};
-use super::{axpy, dot, exp_in_place};
+use super::{axpy, dot, exp_portable};
 
 /// Largest supported block size: scores of one block live on the stack.
 pub const MAX_BLOCK_SIZE: usize = 256;
@@ -224,7 +224,8 @@ fn attend_blocks(q: &[f32], out: &mut [f32], kv: &PagedKv, span: Span, state: &m
         // SAFETY: every SIMD `Isa` includes AVX2 and FMA.
         return unsafe { attend_blocks_avx2(q, out, kv, span, state) };
     }
-    attend_blocks_with(dot, axpy, q, out, kv, span, state)
+    let ops = (dot, axpy, exp_portable);
+    attend_blocks_with(ops, q, out, kv, span, state)
 }
 
 /// [`attend_blocks`] compiled for AVX2 and FMA.
@@ -244,13 +245,19 @@ unsafe fn attend_blocks_avx2(
     // SAFETY (of the calls): this function only runs where AVX2 and FMA are available.
     let dot = |a: &[f32], b: &[f32]| unsafe { avx2::dot(a, b) };
     let axpy = |acc: &mut [f32], w: f32, x: &[f32]| unsafe { avx2::axpy(acc, w, x) };
-    attend_blocks_with(dot, axpy, q, out, kv, span, state)
+    let exp = |xs: &mut [f32]| unsafe { avx2::exp(xs) };
+    attend_blocks_with((dot, axpy, exp), q, out, kv, span, state)
 }
 
+/// The body of [`attend_blocks`] with its vector operations (dot, axpy, exp in place) passed
+/// in, so each instruction set's entry point inlines its own and dispatches once per item.
 #[inline(always)]
 fn attend_blocks_with(
-    dot: impl Fn(&[f32], &[f32]) -> f32,
-    axpy: impl Fn(&mut [f32], f32, &[f32]),
+    (dot, axpy, exp): (
+        impl Fn(&[f32], &[f32]) -> f32,
+        impl Fn(&mut [f32], f32, &[f32]),
+        impl Fn(&mut [f32]),
+    ),
     q: &[f32],
     out: &mut [f32],
     kv: &PagedKv,
@@ -292,7 +299,7 @@ fn attend_blocks_with(
                 state.sum[h] *= correction;
             }
             scores[..n].iter_mut().for_each(|s| *s -= new_max);
-            exp_in_place(&mut scores[..n]);
+            exp(&mut scores[..n]);
             for (&w, v) in scores[..n].iter().zip(v_rows.chunks_exact(hd)) {
                 state.sum[h] += w;
                 axpy(acc, w, v);

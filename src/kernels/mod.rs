@@ -40,7 +40,8 @@ pub(crate) fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
     }
 }
 
-/// [`dot`] and [`axpy`] with AVX2 and FMA: four independent accumulators, fused multiply-adds.
+/// [`dot`] and [`axpy`] with AVX2 and FMA (four independent accumulators, fused
+/// multiply-adds), and [`exp_in_place`]'s vector path.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use std::arch::x86_64::*;
@@ -106,6 +107,44 @@ pub(crate) mod avx2 {
             i += 1;
         }
     }
+    /// [`exp_in_place`] with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn exp(xs: &mut [f32]) {
+        let mut chunks = xs.chunks_exact_mut(8);
+        for c in &mut chunks {
+            let x = _mm256_loadu_ps(c.as_ptr());
+            let x = _mm256_min_ps(
+                _mm256_max_ps(x, _mm256_set1_ps(-87.336_55)),
+                _mm256_set1_ps(88.722_83),
+            );
+            // x = n ln 2 + r, |r| <= ln 2 / 2, with ln 2 split in two for an exact product.
+            let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            );
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+            let mut p = _mm256_set1_ps(1.987_569_1e-4);
+            for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            }
+            let y = _mm256_add_ps(
+                _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+                _mm256_set1_ps(1.0),
+            );
+            // 2^n through the exponent bits (n is -126..=128 after the clamp; 128 only for inputs
+            // that overflow anyway).
+            let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvtps_epi32(n),
+                _mm256_set1_epi32(127),
+            ));
+            _mm256_storeu_ps(c.as_mut_ptr(), _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+        }
+        super::exp_portable(chunks.into_remainder());
+    }
 }
 
 /// `xs[i] = exp(xs[i])`, eight at a time with AVX2 where the CPU has it (Cephes' polynomial
@@ -115,49 +154,15 @@ pub fn exp_in_place(xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if qmatmul::Isa::best() != qmatmul::Isa::Scalar {
         // SAFETY: every SIMD `Isa` includes AVX2 and FMA.
-        unsafe { exp_avx2(xs) };
+        unsafe { avx2::exp(xs) };
         return;
     }
-    xs.iter_mut().for_each(|x| *x = x.exp());
+    exp_portable(xs);
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exp_avx2(xs: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let mut chunks = xs.chunks_exact_mut(8);
-    for c in &mut chunks {
-        let x = _mm256_loadu_ps(c.as_ptr());
-        let x = _mm256_min_ps(
-            _mm256_max_ps(x, _mm256_set1_ps(-87.336_55)),
-            _mm256_set1_ps(88.722_83),
-        );
-        // x = n ln 2 + r, |r| <= ln 2 / 2, with ln 2 split in two for an exact product.
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        }
-        let y = _mm256_add_ps(
-            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
-            _mm256_set1_ps(1.0),
-        );
-        // 2^n through the exponent bits (n is -126..=128 after the clamp; 128 only for inputs
-        // that overflow anyway).
-        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-            _mm256_cvtps_epi32(n),
-            _mm256_set1_epi32(127),
-        ));
-        _mm256_storeu_ps(c.as_mut_ptr(), _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
-    }
-    chunks
-        .into_remainder()
-        .iter_mut()
-        .for_each(|x| *x = x.exp());
+/// The portable [`exp_in_place`].
+pub(crate) fn exp_portable(xs: &mut [f32]) {
+    xs.iter_mut().for_each(|x| *x = x.exp());
 }
 
 #[cfg(test)]
