@@ -77,14 +77,14 @@ impl Weight {
     /// The matrices' rows one after another, as one matrix, where they share a storage
     /// format (the same quantized type, or all dense) and a row width; `None` otherwise.
     pub fn stack(parts: &[Weight]) -> Result<Option<Weight>> {
-        let cols = |w: &Weight| match w {
+        let cols_of = |w: &Weight| match w {
             Self::Quantized(q) => q.shape().dims2().map(|d| d.1).ok(),
             Self::Dense(t) => t.dims2().map(|d| d.1).ok(),
         };
-        let Some(first) = parts.first() else {
+        let Some(cols) = parts.first().and_then(cols_of) else {
             return Ok(None);
         };
-        if parts.iter().any(|w| cols(w) != cols(first)) || cols(first).is_none() {
+        if parts.iter().any(|w| cols_of(w) != Some(cols)) {
             return Ok(None);
         }
         let quantized: Vec<&Arc<QTensor>> = parts
@@ -107,7 +107,6 @@ impl Weight {
             }
             let device = quantized[0].device();
             let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &device, dtype)?;
-            let cols = cols(first).unwrap_or_default();
             return Ok(Some(Self::Quantized(Arc::new(QTensor::new(
                 storage,
                 (rows, cols),
