@@ -111,13 +111,13 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::super::{broadcast4, prefetch_line};
-    use super::{ActBlockK, BlockQ6Kx8, ROWS};
+    use super::{q_index, ActBlockK, BlockQ6Kx8, ROWS};
 
     /// The values of sub-block `4n + k` for group `g` (four values of each row) as bytes.
     #[inline(always)]
     unsafe fn values(block: &BlockQ6Kx8, n: usize, k: usize, g: usize) -> __m256i {
         let at = |j: usize| {
-            _mm256_load_si256(block.q.as_ptr().add(((8 * n + g) * 3 + j) * 32) as *const __m256i)
+            _mm256_load_si256(block.q.as_ptr().add(q_index(n, 4 * g, j, 0)) as *const __m256i)
         };
         if k < 3 {
             return _mm256_and_si256(at(k), _mm256_set1_epi8(0x3F));
