@@ -7,17 +7,23 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 use tokenrouter::kernels::attention::{paged_attention, AttentionSeq, PagedKv};
 
-const HEADS: usize = 14;
-const KV_HEADS: usize = 2;
 const HEAD_DIM: usize = 64;
 const BLOCK: usize = 16;
 
 fn decode(c: &mut Criterion) {
     let mut group = c.benchmark_group("paged_attention_decode");
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
-    for (batch, ctx) in [(1usize, 512usize), (16, 512), (4, 4096)] {
+    // (query heads, KV heads): Qwen2.5-0.5B's 14 / 2 and SmolLM2-135M's 9 / 3.
+    let cases = [
+        (14, 2, 1usize, 512usize),
+        (14, 2, 16, 512),
+        (14, 2, 4, 4096),
+        (9, 3, 1, 128),
+        (9, 3, 16, 128),
+    ];
+    for (heads, kv_heads, batch, ctx) in cases {
         let blocks_per_seq = ctx.div_ceil(BLOCK);
-        let row = KV_HEADS * BLOCK * HEAD_DIM;
+        let row = kv_heads * BLOCK * HEAD_DIM;
         let n_blocks = batch * blocks_per_seq;
         let k: Vec<f32> = (0..n_blocks * row)
             .map(|_| rng.random_range(-1.0..1.0))
@@ -36,7 +42,7 @@ fn decode(c: &mut Criterion) {
                 num_tokens: 1,
             })
             .collect();
-        let q: Vec<f32> = (0..batch * HEADS * HEAD_DIM)
+        let q: Vec<f32> = (0..batch * heads * HEAD_DIM)
             .map(|_| rng.random_range(-1.0..1.0))
             .collect();
         let mut out = vec![0f32; q.len()];
@@ -44,14 +50,14 @@ fn decode(c: &mut Criterion) {
             k: &k,
             v: &v,
             block_size: BLOCK,
-            num_kv_heads: KV_HEADS,
+            num_kv_heads: kv_heads,
             head_dim: HEAD_DIM,
         };
-        let bytes = (batch * ctx * KV_HEADS * HEAD_DIM * 2 * 4) as u64;
+        let bytes = (batch * ctx * kv_heads * HEAD_DIM * 2 * 4) as u64;
         group.throughput(Throughput::Bytes(bytes));
-        let id = format!("b{batch}_ctx{ctx}");
+        let id = format!("h{heads}_kv{kv_heads}_b{batch}_ctx{ctx}");
         group.bench_with_input(BenchmarkId::new("paged", &id), &(), |bench, _| {
-            bench.iter(|| paged_attention(&q, HEADS, &kv, &seqs, 0.125, &mut out))
+            bench.iter(|| paged_attention(&q, heads, &kv, &seqs, 0.125, &mut out))
         });
         group.bench_with_input(
             BenchmarkId::new("dense_read_baseline", &id),

@@ -224,11 +224,31 @@ fn attend_blocks(q: &[f32], out: &mut [f32], kv: &PagedKv, span: Span, state: &m
         // SAFETY: every SIMD `Isa` includes AVX2 and FMA.
         return unsafe { attend_blocks_avx2(q, out, kv, span, state) };
     }
-    let ops = (dot, axpy, exp_portable);
+    attend_blocks_portable(q, out, kv, span, state)
+}
+
+/// [`attend_blocks`] without SIMD intrinsics.
+fn attend_blocks_portable(
+    q: &[f32],
+    out: &mut [f32],
+    kv: &PagedKv,
+    span: Span,
+    state: &mut SoftmaxState,
+) {
+    let ops = BlockOps {
+        scores: |q: &[f32], k: &[f32], scale: f32, scores: &mut [f32]| {
+            scores_by_rows(q, k, scale, scores, dot)
+        },
+        values: |acc: &mut [f32], w: &[f32], v: &[f32]| values_by_rows(acc, w, v, axpy),
+        exp: exp_portable,
+    };
     attend_blocks_with(ops, q, out, kv, span, state)
 }
 
-/// [`attend_blocks`] compiled for AVX2 and FMA.
+/// [`attend_blocks`] compiled for AVX2 and FMA. Where the head size is a multiple of 8, the
+/// scores of eight cache rows come from eight accumulators reduced together, and a head's
+/// output stays in registers across a block's rows; other head sizes take the vector dot and
+/// axpy row by row.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
@@ -243,27 +263,83 @@ unsafe fn attend_blocks_avx2(
 ) {
     use super::avx2;
     // SAFETY (of the calls): this function only runs where AVX2 and FMA are available.
-    let dot = |a: &[f32], b: &[f32]| unsafe { avx2::dot(a, b) };
-    let axpy = |acc: &mut [f32], w: f32, x: &[f32]| unsafe { avx2::axpy(acc, w, x) };
     let exp = |xs: &mut [f32]| unsafe { avx2::exp(xs) };
-    attend_blocks_with((dot, axpy, exp), q, out, kv, span, state)
+    if kv.head_dim.is_multiple_of(8) {
+        let ops = BlockOps {
+            scores: |q: &[f32], k: &[f32], scale: f32, scores: &mut [f32]| unsafe {
+                avx2::scores(q, k, scale, scores)
+            },
+            values: |acc: &mut [f32], w: &[f32], v: &[f32]| unsafe {
+                avx2::weighted_sum(acc, w, v)
+            },
+            exp,
+        };
+        return attend_blocks_with(ops, q, out, kv, span, state);
+    }
+    let ops = BlockOps {
+        scores: |q: &[f32], k: &[f32], scale: f32, scores: &mut [f32]| {
+            scores_by_rows(q, k, scale, scores, |a, b| unsafe { avx2::dot(a, b) })
+        },
+        values: |acc: &mut [f32], w: &[f32], v: &[f32]| {
+            values_by_rows(acc, w, v, |a, w, x| unsafe { avx2::axpy(a, w, x) })
+        },
+        exp,
+    };
+    attend_blocks_with(ops, q, out, kv, span, state)
 }
 
-/// The body of [`attend_blocks`] with its vector operations (dot, axpy, exp in place) passed
-/// in, so each instruction set's entry point inlines its own and dispatches once per item.
+/// `scores[i] = scale · dot(q, k[i])` row by row; returns the largest.
 #[inline(always)]
-fn attend_blocks_with(
-    (dot, axpy, exp): (
-        impl Fn(&[f32], &[f32]) -> f32,
-        impl Fn(&mut [f32], f32, &[f32]),
-        impl Fn(&mut [f32]),
-    ),
+fn scores_by_rows(
+    q: &[f32],
+    k: &[f32],
+    scale: f32,
+    scores: &mut [f32],
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+) -> f32 {
+    let mut max = f32::NEG_INFINITY;
+    for (score, k) in scores.iter_mut().zip(k.chunks_exact(q.len())) {
+        *score = dot(q, k) * scale;
+        max = max.max(*score);
+    }
+    max
+}
+
+/// `acc += w[i] · v[i]` row by row.
+#[inline(always)]
+fn values_by_rows(acc: &mut [f32], w: &[f32], v: &[f32], axpy: impl Fn(&mut [f32], f32, &[f32])) {
+    for (&w, v) in w.iter().zip(v.chunks_exact(acc.len())) {
+        axpy(acc, w, v);
+    }
+}
+
+/// The vector work of one head over one block's rows, passed into [`attend_blocks_with`] so
+/// each instruction set's entry point inlines its own and dispatches once per work item.
+struct BlockOps<S, V, E> {
+    /// `scores[i] = scale · (q · k[i])` for the `scores.len()` rows of `k` (`q.len()` each);
+    /// returns the largest.
+    scores: S,
+    /// `acc += Σ w[i] · v[i]` over the `w.len()` rows of `v` (`acc.len()` each).
+    values: V,
+    /// `xs[i] = exp(xs[i])`; returns their sum.
+    exp: E,
+}
+
+/// The body of [`attend_blocks`]: the online softmax over the span's blocks, one query head
+/// of the group at a time (a block's K and V rows stay in L1 across the group's heads).
+#[inline(always)]
+fn attend_blocks_with<S, V, E>(
+    ops: BlockOps<S, V, E>,
     q: &[f32],
     out: &mut [f32],
     kv: &PagedKv,
     span: Span,
     state: &mut SoftmaxState,
-) {
+) where
+    S: Fn(&[f32], &[f32], f32, &mut [f32]) -> f32,
+    V: Fn(&mut [f32], &[f32], &[f32]),
+    E: Fn(&mut [f32]) -> f32,
+{
     let hd = kv.head_dim;
     let bs = kv.block_size;
     let group = q.len() / hd;
@@ -284,26 +360,19 @@ fn attend_blocks_with(
         let base = kv.block_offset(block, kv_head);
         let k_rows = &kv.k[base..base + n * hd];
         let v_rows = &kv.v[base..base + n * hd];
+        let scores = &mut scores[..n];
         for h in 0..group {
-            let qh = &q[h * hd..(h + 1) * hd];
             let acc = &mut out[h * hd..(h + 1) * hd];
-            let mut block_max = f32::NEG_INFINITY;
-            for (score, k) in scores[..n].iter_mut().zip(k_rows.chunks_exact(hd)) {
-                *score = dot(qh, k) * scale;
-                block_max = block_max.max(*score);
-            }
+            let block_max = (ops.scores)(&q[h * hd..(h + 1) * hd], k_rows, scale, scores);
             let new_max = state.max[h].max(block_max);
             let correction = (state.max[h] - new_max).exp();
             if correction != 1.0 {
                 acc.iter_mut().for_each(|a| *a *= correction);
                 state.sum[h] *= correction;
             }
-            scores[..n].iter_mut().for_each(|s| *s -= new_max);
-            exp(&mut scores[..n]);
-            for (&w, v) in scores[..n].iter().zip(v_rows.chunks_exact(hd)) {
-                state.sum[h] += w;
-                axpy(acc, w, v);
-            }
+            scores.iter_mut().for_each(|s| *s -= new_max);
+            state.sum[h] += (ops.exp)(scores);
+            (ops.values)(acc, scores, v_rows);
             state.max[h] = new_max;
         }
     }
@@ -464,6 +533,59 @@ mod tests {
         // context.
         let blocks = chunk_blocks(&[(0, 5000)], 1, 16).expect("a long context splits");
         assert!(blocks * 16 >= MIN_CHUNK_POSITIONS && blocks * 16 < 5000);
+    }
+
+    #[test]
+    fn model_head_sizes_match_dense_attention() {
+        // Head sizes of real models (64, 128) and ones that leave 8-column tails (24, 72),
+        // with partial blocks and partial groups of eight rows.
+        for hd in [64, 128, 24, 72] {
+            run_case(16, 9, 3, hd, &[(0, 13), (21, 1), (100, 1)]);
+        }
+        run_case(16, 14, 2, 64, &[(300, 1)]);
+    }
+
+    #[test]
+    fn portable_and_simd_work_items_agree() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        for hd in [13, 64] {
+            let (bs, group) = (16, 3);
+            let k: Vec<f32> = (0..4 * bs * hd)
+                .map(|_| rng.random_range(-2.0..2.0))
+                .collect();
+            let v: Vec<f32> = (0..4 * bs * hd)
+                .map(|_| rng.random_range(-2.0..2.0))
+                .collect();
+            let q: Vec<f32> = (0..group * hd)
+                .map(|_| rng.random_range(-2.0..2.0))
+                .collect();
+            let kv = PagedKv {
+                k: &k,
+                v: &v,
+                block_size: bs,
+                num_kv_heads: 1,
+                head_dim: hd,
+            };
+            let span = Span {
+                blocks: &[2, 0, 3],
+                first_pos: 0,
+                kv_head: 0,
+                ctx: 41,
+                scale: 0.3,
+            };
+            let run = |f: fn(&[f32], &mut [f32], &PagedKv, Span, &mut SoftmaxState)| {
+                let mut out = vec![0f32; q.len()];
+                let mut state = SoftmaxState::new(group);
+                f(&q, &mut out, &kv, span, &mut state);
+                state.normalise(&mut out, hd);
+                out
+            };
+            let portable = run(attend_blocks_portable);
+            let best = run(attend_blocks);
+            for (a, b) in portable.iter().zip(&best) {
+                assert!((a - b).abs() < 1e-5, "hd={hd}: {a} vs {b}");
+            }
+        }
     }
 
     #[test]

@@ -41,7 +41,8 @@ pub(crate) fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
 }
 
 /// [`dot`] and [`axpy`] with AVX2 and FMA (four independent accumulators, fused
-/// multiply-adds), and [`exp_in_place`]'s vector path.
+/// multiply-adds), their many-row forms for attention ([`avx2::scores`],
+/// [`avx2::weighted_sum`]), and [`exp_in_place`]'s vector path.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use std::arch::x86_64::*;
@@ -107,13 +108,128 @@ pub(crate) mod avx2 {
             i += 1;
         }
     }
+    /// `scores[i] = scale · (q · k[i])` for the `scores.len()` rows of `k` (`q.len()` each, a
+    /// multiple of 8): eight rows at a time, each into its own accumulator, the eight reduced
+    /// together. Returns the largest score.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn scores(q: &[f32], k: &[f32], scale: f32, scores: &mut [f32]) -> f32 {
+        let hd = q.len();
+        let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
+        let n = scores.len();
+        assert!(hd.is_multiple_of(8) && k.len() >= n * hd);
+        let pq = q.as_ptr();
+        let scale = _mm256_set1_ps(scale);
+        let mut r0 = 0;
+        while r0 < n {
+            let rows = (n - r0).min(8);
+            // Past the last row, the slots repeat it; their scores are dropped.
+            let mut row = [k.as_ptr(); 8];
+            for (i, r) in row.iter_mut().enumerate() {
+                *r = k.as_ptr().add((r0 + i.min(rows - 1)) * hd);
+            }
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut c = 0;
+            while c < hd {
+                let qv = _mm256_loadu_ps(pq.add(c));
+                for (acc, row) in acc.iter_mut().zip(&row) {
+                    *acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(row.add(c)), *acc);
+                }
+                c += 8;
+            }
+            let sums = _mm256_mul_ps(sum_lanes8(&acc), scale);
+            // The repeated slots hold copies of the last row's score.
+            max = _mm256_max_ps(max, sums);
+            if rows == 8 {
+                _mm256_storeu_ps(scores.as_mut_ptr().add(r0), sums);
+            } else {
+                let mut all = [0f32; 8];
+                _mm256_storeu_ps(all.as_mut_ptr(), sums);
+                scores[r0..].copy_from_slice(&all[..rows]);
+            }
+            r0 += 8;
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), max);
+        lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    /// The lane sums of eight vectors, as one vector: lane `i` holds the sum of `a[i]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn sum_lanes8(a: &[__m256; 8]) -> __m256 {
+        // Two rounds of pairwise sums leave in `u0` the sums of lanes 0..4 (low half) and 4..8
+        // (high half) of a[0..4], in `u1` those of a[4..8]; adding the halves gives the totals.
+        let t0 = _mm256_hadd_ps(a[0], a[1]);
+        let t1 = _mm256_hadd_ps(a[2], a[3]);
+        let t2 = _mm256_hadd_ps(a[4], a[5]);
+        let t3 = _mm256_hadd_ps(a[6], a[7]);
+        let u0 = _mm256_hadd_ps(t0, t1);
+        let u1 = _mm256_hadd_ps(t2, t3);
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(u0, u1),
+            _mm256_permute2f128_ps::<0x31>(u0, u1),
+        )
+    }
+
+    /// `acc += Σ w[i] · v[i]` over the `w.len()` rows of `v` (`acc.len()` each, a multiple of
+    /// 8), `acc` held in registers 64 (or 8) columns at a time across all the rows.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn weighted_sum(acc: &mut [f32], w: &[f32], v: &[f32]) {
+        let hd = acc.len();
+        assert!(hd.is_multiple_of(8) && v.len() >= w.len() * hd);
+        let mut c = 0;
+        while c + 64 <= hd {
+            weighted_sum_cols::<8>(acc.as_mut_ptr().add(c), w, v.as_ptr().add(c), hd);
+            c += 64;
+        }
+        while c < hd {
+            weighted_sum_cols::<1>(acc.as_mut_ptr().add(c), w, v.as_ptr().add(c), hd);
+            c += 8;
+        }
+    }
+
+    /// [`weighted_sum`] over `8 · N` columns from `acc` and from each row of `v` (rows
+    /// `stride` apart).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weighted_sum_cols<const N: usize>(
+        acc: *mut f32,
+        w: &[f32],
+        v: *const f32,
+        stride: usize,
+    ) {
+        let mut a = [_mm256_setzero_ps(); N];
+        for (j, a) in a.iter_mut().enumerate() {
+            *a = _mm256_loadu_ps(acc.add(8 * j));
+        }
+        for (i, &wi) in w.iter().enumerate() {
+            let wv = _mm256_set1_ps(wi);
+            let row = v.add(i * stride);
+            for (j, a) in a.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * j)), *a);
+            }
+        }
+        for (j, a) in a.iter().enumerate() {
+            _mm256_storeu_ps(acc.add(8 * j), *a);
+        }
+    }
+
     /// [`exp_in_place`] with AVX2 and FMA.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn exp(xs: &mut [f32]) {
+    pub(crate) unsafe fn exp(xs: &mut [f32]) -> f32 {
+        let mut total = _mm256_setzero_ps();
         let mut chunks = xs.chunks_exact_mut(8);
         for c in &mut chunks {
             let x = _mm256_loadu_ps(c.as_ptr());
@@ -141,28 +257,37 @@ pub(crate) mod avx2 {
                 _mm256_cvtps_epi32(n),
                 _mm256_set1_epi32(127),
             ));
-            _mm256_storeu_ps(c.as_mut_ptr(), _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+            let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+            total = _mm256_add_ps(total, e);
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
         }
-        super::exp_portable(chunks.into_remainder());
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), total);
+        lanes.iter().sum::<f32>() + super::exp_portable(chunks.into_remainder())
     }
 }
 
 /// `xs[i] = exp(xs[i])`, eight at a time with AVX2 where the CPU has it (Cephes' polynomial
 /// on the reduced argument, within 2 ulp of `f32::exp` for inputs in `-87.3..88.7`; smaller
-/// inputs give about 1e-38 instead of 0 or a subnormal, larger ones are clamped).
-pub fn exp_in_place(xs: &mut [f32]) {
+/// inputs give about 1e-38 instead of 0 or a subnormal, larger ones are clamped). Returns the
+/// sum of the results.
+pub fn exp_in_place(xs: &mut [f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if qmatmul::Isa::best() != qmatmul::Isa::Scalar {
         // SAFETY: every SIMD `Isa` includes AVX2 and FMA.
-        unsafe { avx2::exp(xs) };
-        return;
+        return unsafe { avx2::exp(xs) };
     }
-    exp_portable(xs);
+    exp_portable(xs)
 }
 
 /// The portable [`exp_in_place`].
-pub(crate) fn exp_portable(xs: &mut [f32]) {
-    xs.iter_mut().for_each(|x| *x = x.exp());
+pub(crate) fn exp_portable(xs: &mut [f32]) -> f32 {
+    xs.iter_mut()
+        .map(|x| {
+            *x = x.exp();
+            *x
+        })
+        .sum()
 }
 
 #[cfg(test)]
@@ -194,6 +319,41 @@ mod tests {
     }
 
     #[test]
+    fn simd_scores_and_weighted_sums_match_the_portable_loops() {
+        #[cfg(target_arch = "x86_64")]
+        if qmatmul::Isa::best() != qmatmul::Isa::Scalar {
+            for hd in [8, 16, 24, 64, 72, 128] {
+                for n in [1, 5, 8, 13, 16] {
+                    let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.37).sin()).collect();
+                    let rows: Vec<f32> = (0..n * hd).map(|i| (i as f32 * 0.11).cos()).collect();
+                    let mut got = vec![f32::NAN; n];
+                    // SAFETY: checked above that the CPU has AVX2 and FMA.
+                    let max = unsafe { avx2::scores(&q, &rows, 0.5, &mut got) };
+                    assert_eq!(max, got.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+                    for (i, g) in got.iter().enumerate() {
+                        let want: f64 = q
+                            .iter()
+                            .zip(&rows[i * hd..(i + 1) * hd])
+                            .map(|(a, b)| *a as f64 * *b as f64 * 0.5)
+                            .sum();
+                        assert!((*g as f64 - want).abs() < 1e-5, "hd={hd} n={n} row {i}");
+                    }
+                    let w: Vec<f32> = (0..n).map(|i| 0.25 + i as f32 * 0.1).collect();
+                    let mut fast = q.clone();
+                    unsafe { avx2::weighted_sum(&mut fast, &w, &rows) };
+                    for (d, f) in fast.iter().enumerate() {
+                        let want = q[d] as f64
+                            + (0..n)
+                                .map(|i| w[i] as f64 * rows[i * hd + d] as f64)
+                                .sum::<f64>();
+                        assert!((*f as f64 - want).abs() < 1e-5, "hd={hd} n={n} col {d}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn vector_exp_matches_the_library_exp() {
         let xs: Vec<f32> = (0..20_000)
             .map(|i| -90.0 + i as f32 * 0.0089)
@@ -213,5 +373,13 @@ mod tests {
                 "exp({x}) = {g}, want {want} (relative error {rel})"
             );
         }
+        // The returned sum, over a length with a tail past the vectors.
+        let mut xs: Vec<f32> = (0..1003).map(|i| -20.0 + i as f32 * 0.02).collect();
+        let want: f64 = xs.iter().map(|&x| (x as f64).exp()).sum();
+        let sum = exp_in_place(&mut xs);
+        assert!(
+            ((sum as f64 - want) / want).abs() < 1e-5,
+            "sum {sum}, want {want}"
+        );
     }
 }
