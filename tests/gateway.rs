@@ -392,7 +392,9 @@ fn real_servers_behind_the_gateway_answer_as_directly() {
 fn serve_with_dp_size_starts_servers_behind_a_gateway_and_stops_them() {
     let dir = common::server::tiny_pair_config("");
     let config = dir.path().join("config.toml");
-    let mut gw = TestServer::launch(
+    // The two servers take the two ports after the gateway's.
+    let mut gw = TestServer::launch_on(
+        common::server::free_port_run(2),
         &[
             "serve",
             "--config",

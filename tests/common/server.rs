@@ -60,6 +60,21 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A free port whose `following` successors are free too (for `serve --dp-size`, whose
+/// servers take the ports after the gateway's).
+pub fn free_port_run(following: u16) -> u16 {
+    loop {
+        let port = free_port();
+        let free = (1..=following).all(|i| {
+            port.checked_add(i)
+                .is_some_and(|p| TcpListener::bind(("127.0.0.1", p)).is_ok())
+        });
+        if free {
+            return port;
+        }
+    }
+}
+
 impl TestServer {
     /// Starts the binary on a free port and waits until `/health` answers.
     pub fn start(extra_config: &str, args: &[&str]) -> Self {
@@ -90,7 +105,17 @@ impl TestServer {
         dir: tempfile::TempDir,
         ready: &[u16],
     ) -> Self {
-        let port = free_port();
+        Self::launch_on(free_port(), args, env, dir, ready)
+    }
+
+    /// [`TestServer::launch`] on a given port.
+    pub fn launch_on(
+        port: u16,
+        args: &[&str],
+        env: &[(&str, &str)],
+        dir: tempfile::TempDir,
+        ready: &[u16],
+    ) -> Self {
         let child = Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
             .envs(env.iter().copied())
             .args(args)
