@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::kernels::attention::MAX_BLOCK_SIZE;
+use crate::model::KvDtype;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -268,11 +269,17 @@ impl Default for SchedulerSettings {
 #[serde(deny_unknown_fields, default)]
 pub struct KvCacheSettings {
     pub block_size: usize,
+    /// What K and V are stored as: `f16` (half the memory, half the bytes attention reads)
+    /// or `f32`.
+    pub dtype: KvDtype,
 }
 
 impl Default for KvCacheSettings {
     fn default() -> Self {
-        Self { block_size: 16 }
+        Self {
+            block_size: 16,
+            dtype: KvDtype::default(),
+        }
     }
 }
 
@@ -468,6 +475,16 @@ mod tests {
             dir.path().join("m/a.gguf")
         );
         assert_eq!(config.kv_cache.block_size, 16);
+        assert_eq!(config.kv_cache.dtype, KvDtype::F16);
+    }
+
+    #[test]
+    fn kv_cache_dtype_parses_and_bad_values_are_named() {
+        let base = "[[models]]\nname = \"a\"\npath = \"x\"\n[kv_cache]\n";
+        let config = load_str(&format!("{base}dtype = \"f32\"\n")).unwrap();
+        assert_eq!(config.kv_cache.dtype, KvDtype::F32);
+        let err = load_str(&format!("{base}dtype = \"f8\"\n")).unwrap_err();
+        assert!(err.to_string().contains("f8"), "{err}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::messages::{Handoff, PeerBody, PeerMessage, RequestMeta, TokenEvent};
 use crate::kernels::routing_features::{entropy_rows, max_prob_rows, top_logits_rows};
 use crate::model::runner::FinishReason;
-use crate::model::{KvCache, LoadedModel, Sampler, SeqInput};
+use crate::model::{KvCache, KvDtype, LoadedModel, Sampler, SeqInput};
 use crate::routing::{
     Arrival, BatchFeatures, Candidate, ModelIndex, Resume, Route, RoutingAlgorithm, StepView,
 };
@@ -39,6 +39,8 @@ pub struct WorkerSetup {
     pub model: Arc<LoadedModel>,
     pub router: Arc<dyn RoutingAlgorithm>,
     pub limits: SchedulerLimits,
+    /// What the model's KV cache stores.
+    pub kv_dtype: KvDtype,
     pub stepping: Stepping,
     /// Cleared when a forward pass panics, so the server can report the model unhealthy.
     pub healthy: Arc<AtomicBool>,
@@ -121,7 +123,7 @@ impl ModelWorker {
     pub fn new(setup: WorkerSetup) -> crate::model::Result<Self> {
         let config = setup.model.model.config();
         let limits = setup.limits;
-        let kv = KvCache::new(config, limits.block_size, limits.num_blocks)?;
+        let kv = KvCache::new(config, limits.block_size, limits.num_blocks, setup.kv_dtype)?;
         let max_len = config
             .context_length
             .min(limits.num_blocks * limits.block_size);

@@ -9,7 +9,7 @@ use clap::Args;
 
 use tokenrouter::kernels::parallel::for_each_range;
 use tokenrouter::model::profile::{measure, warm_up, Workload};
-use tokenrouter::model::MatmulBackend;
+use tokenrouter::model::{KvDtype, MatmulBackend};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -29,6 +29,9 @@ pub struct BenchArgs {
     json: bool,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// What the KV cache stores.
+    #[arg(long, value_enum, default_value_t = KvDtype::default())]
+    kv_dtype: KvDtype,
     /// Also measure the same model with candle's quantized matmul for every weight type, and
     /// print our speed-up over it.
     #[arg(long)]
@@ -93,6 +96,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         prompt_len: args.prompt_len,
         decode_steps: args.decode_steps,
         seed: args.seed,
+        kv_dtype: args.kv_dtype,
     };
     for &batch in &args.batch {
         let before = probe.bandwidth(3);

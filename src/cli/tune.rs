@@ -274,7 +274,7 @@ fn profile_models(
 ) -> anyhow::Result<Profile> {
     let mut latency = Vec::new();
     for (entry, lm) in config.models.iter().zip(models) {
-        let steps = step_latencies(&lm.model, max_n)?;
+        let steps = step_latencies(&lm.model, max_n, config.kv_cache.dtype)?;
         let shown: Vec<String> = steps.iter().map(|s| format!("{:.0}", s * 1e3)).collect();
         eprintln!(
             "profile {}: ms per step at batch 1..={max_n}: {}",

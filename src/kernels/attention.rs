@@ -11,23 +11,23 @@
 //! sum, unnormalised output) are merged afterwards.
 
 use super::parallel::{current_threads, for_each_range, DisjointOut};
-use super::{axpy, dot, exp_portable};
+use super::{axpy, dot, exp_portable, KvElem};
 
 /// Largest supported block size: scores of one block live on the stack.
 pub const MAX_BLOCK_SIZE: usize = 256;
 /// Fewest cache positions a context chunk covers when contexts are split.
 const MIN_CHUNK_POSITIONS: usize = 64;
 
-/// One layer's paged K and V storage.
-pub struct PagedKv<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+/// One layer's paged K and V storage, in `f32` or `f16` ([`KvElem`]).
+pub struct PagedKv<'a, T: KvElem = f32> {
+    pub k: &'a [T],
+    pub v: &'a [T],
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
 }
 
-impl PagedKv<'_> {
+impl<T: KvElem> PagedKv<'_, T> {
     /// Offset of the first row of `(block, kv_head)`.
     #[inline]
     pub fn block_offset(&self, block: u32, kv_head: usize) -> usize {
@@ -45,10 +45,10 @@ pub struct AttentionSeq<'a> {
 
 /// `q` and `out` are `[tokens, num_heads, head_dim]`, tokens in sequence order. The K/V of the
 /// new tokens must already be written to the cache.
-pub fn paged_attention(
+pub fn paged_attention<T: KvElem>(
     q: &[f32],
     num_heads: usize,
-    kv: &PagedKv,
+    kv: &PagedKv<T>,
     seqs: &[AttentionSeq],
     scale: f32,
     out: &mut [f32],
@@ -218,99 +218,74 @@ struct Span<'a> {
 
 /// Attention of the query heads of `q` (one GQA group) over `span`: adds the unnormalised
 /// weighted values to `out` and updates `state`. With AVX2 and FMA where the CPU has them.
-fn attend_blocks(q: &[f32], out: &mut [f32], kv: &PagedKv, span: Span, state: &mut SoftmaxState) {
+fn attend_blocks<T: KvElem>(
+    q: &[f32],
+    out: &mut [f32],
+    kv: &PagedKv<T>,
+    span: Span,
+    state: &mut SoftmaxState,
+) {
     #[cfg(target_arch = "x86_64")]
-    if super::qmatmul::Isa::best() != super::qmatmul::Isa::Scalar {
-        // SAFETY: every SIMD `Isa` includes AVX2 and FMA.
+    if kv.head_dim.is_multiple_of(8) && super::qmatmul::Isa::best() != super::qmatmul::Isa::Scalar {
+        // SAFETY: every SIMD `Isa` includes AVX2, FMA and F16C.
         return unsafe { attend_blocks_avx2(q, out, kv, span, state) };
     }
     attend_blocks_portable(q, out, kv, span, state)
 }
 
 /// [`attend_blocks`] without SIMD intrinsics.
-fn attend_blocks_portable(
+fn attend_blocks_portable<T: KvElem>(
     q: &[f32],
     out: &mut [f32],
-    kv: &PagedKv,
+    kv: &PagedKv<T>,
     span: Span,
     state: &mut SoftmaxState,
 ) {
     let ops = BlockOps {
-        scores: |q: &[f32], k: &[f32], scale: f32, scores: &mut [f32]| {
-            scores_by_rows(q, k, scale, scores, dot)
+        scores: |q: &[f32], k: &[T], scale: f32, scores: &mut [f32]| {
+            let mut max = f32::NEG_INFINITY;
+            for (score, k) in scores.iter_mut().zip(k.chunks_exact(q.len())) {
+                *score = dot(q, k) * scale;
+                max = max.max(*score);
+            }
+            max
         },
-        values: |acc: &mut [f32], w: &[f32], v: &[f32]| values_by_rows(acc, w, v, axpy),
+        values: |acc: &mut [f32], w: &[f32], v: &[T]| {
+            for (&w, v) in w.iter().zip(v.chunks_exact(acc.len())) {
+                axpy(acc, w, v);
+            }
+        },
         exp: exp_portable,
     };
     attend_blocks_with(ops, q, out, kv, span, state)
 }
 
-/// [`attend_blocks`] compiled for AVX2 and FMA. Where the head size is a multiple of 8, the
+/// [`attend_blocks`] compiled for AVX2, FMA and F16C, for head sizes a multiple of 8: the
 /// scores of eight cache rows come from eight accumulators reduced together, and a head's
-/// output stays in registers across a block's rows; other head sizes take the vector dot and
-/// axpy row by row.
+/// output stays in registers across a block's rows.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
+/// The CPU must support AVX2, FMA and F16C; `kv.head_dim` must be a multiple of 8.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_blocks_avx2(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_blocks_avx2<T: KvElem>(
     q: &[f32],
     out: &mut [f32],
-    kv: &PagedKv,
+    kv: &PagedKv<T>,
     span: Span,
     state: &mut SoftmaxState,
 ) {
     use super::avx2;
-    // SAFETY (of the calls): this function only runs where AVX2 and FMA are available.
-    let exp = |xs: &mut [f32]| unsafe { avx2::exp(xs) };
-    if kv.head_dim.is_multiple_of(8) {
-        let ops = BlockOps {
-            scores: |q: &[f32], k: &[f32], scale: f32, scores: &mut [f32]| unsafe {
-                avx2::scores(q, k, scale, scores)
-            },
-            values: |acc: &mut [f32], w: &[f32], v: &[f32]| unsafe {
-                avx2::weighted_sum(acc, w, v)
-            },
-            exp,
-        };
-        return attend_blocks_with(ops, q, out, kv, span, state);
-    }
+    // SAFETY (of the calls): this function only runs where AVX2, FMA and F16C are available,
+    // with rows of a multiple of 8 elements.
     let ops = BlockOps {
-        scores: |q: &[f32], k: &[f32], scale: f32, scores: &mut [f32]| {
-            scores_by_rows(q, k, scale, scores, |a, b| unsafe { avx2::dot(a, b) })
+        scores: |q: &[f32], k: &[T], scale: f32, scores: &mut [f32]| unsafe {
+            avx2::scores(q, k, scale, scores)
         },
-        values: |acc: &mut [f32], w: &[f32], v: &[f32]| {
-            values_by_rows(acc, w, v, |a, w, x| unsafe { avx2::axpy(a, w, x) })
-        },
-        exp,
+        values: |acc: &mut [f32], w: &[f32], v: &[T]| unsafe { avx2::weighted_sum(acc, w, v) },
+        exp: |xs: &mut [f32]| unsafe { avx2::exp(xs) },
     };
     attend_blocks_with(ops, q, out, kv, span, state)
-}
-
-/// `scores[i] = scale · dot(q, k[i])` row by row; returns the largest.
-#[inline(always)]
-fn scores_by_rows(
-    q: &[f32],
-    k: &[f32],
-    scale: f32,
-    scores: &mut [f32],
-    dot: impl Fn(&[f32], &[f32]) -> f32,
-) -> f32 {
-    let mut max = f32::NEG_INFINITY;
-    for (score, k) in scores.iter_mut().zip(k.chunks_exact(q.len())) {
-        *score = dot(q, k) * scale;
-        max = max.max(*score);
-    }
-    max
-}
-
-/// `acc += w[i] · v[i]` row by row.
-#[inline(always)]
-fn values_by_rows(acc: &mut [f32], w: &[f32], v: &[f32], axpy: impl Fn(&mut [f32], f32, &[f32])) {
-    for (&w, v) in w.iter().zip(v.chunks_exact(acc.len())) {
-        axpy(acc, w, v);
-    }
 }
 
 /// The vector work of one head over one block's rows, passed into [`attend_blocks_with`] so
@@ -328,16 +303,16 @@ struct BlockOps<S, V, E> {
 /// The body of [`attend_blocks`]: the online softmax over the span's blocks, one query head
 /// of the group at a time (a block's K and V rows stay in L1 across the group's heads).
 #[inline(always)]
-fn attend_blocks_with<S, V, E>(
+fn attend_blocks_with<T: KvElem, S, V, E>(
     ops: BlockOps<S, V, E>,
     q: &[f32],
     out: &mut [f32],
-    kv: &PagedKv,
+    kv: &PagedKv<T>,
     span: Span,
     state: &mut SoftmaxState,
 ) where
-    S: Fn(&[f32], &[f32], f32, &mut [f32]) -> f32,
-    V: Fn(&mut [f32], &[f32], &[f32]),
+    S: Fn(&[f32], &[T], f32, &mut [f32]) -> f32,
+    V: Fn(&mut [f32], &[f32], &[T]),
     E: Fn(&mut [f32]) -> f32,
 {
     let hd = kv.head_dim;
@@ -432,6 +407,18 @@ mod tests {
         hd: usize,
         seqs: &[(usize, usize)],
     ) {
+        run_case_in::<f32>(block_size, heads, kv_heads, hd, seqs);
+        run_case_in::<half::f16>(block_size, heads, kv_heads, hd, seqs);
+    }
+
+    /// Attention over a cache of `T` against dense f64 attention over the same stored values.
+    fn run_case_in<T: KvElem>(
+        block_size: usize,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+        seqs: &[(usize, usize)],
+    ) {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         let num_blocks_per_seq: Vec<usize> = seqs
             .iter()
@@ -439,8 +426,8 @@ mod tests {
             .collect();
         let total_blocks: usize = num_blocks_per_seq.iter().sum::<usize>() + 3;
         let row = kv_heads * block_size * hd;
-        let mut k = vec![0f32; total_blocks * row];
-        let mut v = vec![0f32; total_blocks * row];
+        let mut k = vec![T::default(); total_blocks * row];
+        let mut v = vec![T::default(); total_blocks * row];
         // Hand out blocks in a scrambled order so tables are not contiguous.
         let mut free: Vec<u32> = (0..total_blocks as u32).rev().collect();
         free.swap(0, 2);
@@ -450,20 +437,20 @@ mod tests {
         for (&(start, n), &nb) in seqs.iter().zip(&num_blocks_per_seq) {
             let table: Vec<u32> = (0..nb).map(|_| free.pop().unwrap()).collect();
             let len = start + n;
-            let dk: Vec<f32> = (0..len * kv_heads * hd)
-                .map(|_| rng.random_range(-2.0..2.0))
-                .collect();
-            let dv: Vec<f32> = (0..len * kv_heads * hd)
-                .map(|_| rng.random_range(-2.0..2.0))
-                .collect();
+            // Values the cache's type holds exactly, so the reference sees what is stored.
+            let mut stored = || T::from_f32(rng.random_range(-2.0f32..2.0)).to_f32();
+            let dk: Vec<f32> = (0..len * kv_heads * hd).map(|_| stored()).collect();
+            let dv: Vec<f32> = (0..len * kv_heads * hd).map(|_| stored()).collect();
             for p in 0..len {
                 for h in 0..kv_heads {
                     let dst = ((table[p / block_size] as usize * kv_heads + h) * block_size
                         + p % block_size)
                         * hd;
                     let src = (p * kv_heads + h) * hd;
-                    k[dst..dst + hd].copy_from_slice(&dk[src..src + hd]);
-                    v[dst..dst + hd].copy_from_slice(&dv[src..src + hd]);
+                    for d in 0..hd {
+                        k[dst + d] = T::from_f32(dk[src + d]);
+                        v[dst + d] = T::from_f32(dv[src + d]);
+                    }
                 }
             }
             tables.push(table);
@@ -548,7 +535,7 @@ mod tests {
     #[test]
     fn portable_and_simd_work_items_agree() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        for hd in [13, 64] {
+        for hd in [64, 128] {
             let (bs, group) = (16, 3);
             let k: Vec<f32> = (0..4 * bs * hd)
                 .map(|_| rng.random_range(-2.0..2.0))
@@ -595,7 +582,7 @@ mod tests {
 
     #[test]
     fn empty_batch_writes_nothing() {
-        let kv = PagedKv {
+        let kv: PagedKv<f32> = PagedKv {
             k: &[],
             v: &[],
             block_size: 16,

@@ -13,110 +13,100 @@ pub mod routing_features;
 pub use attention::{paged_attention, AttentionSeq, PagedKv};
 pub use rope::{RopeStyle, RotaryAngles};
 
+/// An element of the paged K/V cache: `f32`, or `f16` (half the bytes to store and read,
+/// 11 significant bits).
+pub trait KvElem: Copy + Default + Send + Sync + 'static {
+    /// IEEE half precision (the vector kernels load it through F16C's conversion).
+    const HALF: bool;
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+impl KvElem for f32 {
+    const HALF: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl KvElem for half::f16 {
+    const HALF: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+}
+
 /// Dot product with eight independent accumulators, so the loop vectorises.
 #[inline]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot<T: KvElem>(a: &[f32], b: &[T]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; 8];
     let (a8, a_rest) = a.split_at(a.len() / 8 * 8);
     let (b8, b_rest) = b.split_at(a8.len());
     for (ca, cb) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
         for i in 0..8 {
-            acc[i] += ca[i] * cb[i];
+            acc[i] += ca[i] * cb[i].to_f32();
         }
     }
     let mut sum = (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]);
     for (x, y) in a_rest.iter().zip(b_rest) {
-        sum += x * y;
+        sum += x * y.to_f32();
     }
     sum
 }
 
 /// `acc += w * x`, element-wise.
 #[inline]
-pub(crate) fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
+pub(crate) fn axpy<T: KvElem>(acc: &mut [f32], w: f32, x: &[T]) {
     for (a, v) in acc.iter_mut().zip(x) {
-        *a += w * v;
+        *a += w * v.to_f32();
     }
 }
 
-/// [`dot`] and [`axpy`] with AVX2 and FMA (four independent accumulators, fused
-/// multiply-adds), their many-row forms for attention ([`avx2::scores`],
-/// [`avx2::weighted_sum`]), and [`exp_in_place`]'s vector path.
+/// Attention's many-row dot products and weighted sums over `f32` or `f16` cache rows with
+/// AVX2, FMA and F16C ([`avx2::scores`], [`avx2::weighted_sum`]), and [`exp_in_place`]'s
+/// vector path.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
+    use super::KvElem;
+
+    /// Eight cache elements from `p`, as `f32`.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        debug_assert_eq!(a.len(), b.len());
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 32 <= n {
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let at = i + 8 * j;
-                *acc = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(pa.add(at)),
-                    _mm256_loadu_ps(pb.add(at)),
-                    *acc,
-                );
-            }
-            i += 32;
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8<T: KvElem>(p: *const T) -> __m256 {
+        if T::HALF {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        } else {
+            _mm256_loadu_ps(p as *const f32)
         }
-        while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(
-                _mm256_loadu_ps(pa.add(i)),
-                _mm256_loadu_ps(pb.add(i)),
-                acc[0],
-            );
-            i += 8;
-        }
-        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let r = _mm_add_ps(_mm256_extractf128_ps::<1>(v), _mm256_castps256_ps128(v));
-        let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        let mut sum = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-        while i < n {
-            sum += a[i] * b[i];
-            i += 1;
-        }
-        sum
     }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
-        let n = acc.len().min(x.len());
-        let (pa, px) = (acc.as_mut_ptr(), x.as_ptr());
-        let wv = _mm256_set1_ps(w);
-        let mut i = 0;
-        while i + 8 <= n {
-            _mm256_storeu_ps(
-                pa.add(i),
-                _mm256_fmadd_ps(wv, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(pa.add(i))),
-            );
-            i += 8;
-        }
-        while i < n {
-            acc[i] += w * x[i];
-            i += 1;
-        }
-    }
     /// `scores[i] = scale · (q · k[i])` for the `scores.len()` rows of `k` (`q.len()` each, a
     /// multiple of 8): eight rows at a time, each into its own accumulator, the eight reduced
     /// together. Returns the largest score.
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA.
+    /// The CPU must support AVX2, FMA and F16C.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn scores(q: &[f32], k: &[f32], scale: f32, scores: &mut [f32]) -> f32 {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn scores<T: KvElem>(
+        q: &[f32],
+        k: &[T],
+        scale: f32,
+        scores: &mut [f32],
+    ) -> f32 {
         let hd = q.len();
         let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
         let n = scores.len();
@@ -136,7 +126,7 @@ pub(crate) mod avx2 {
             while c < hd {
                 let qv = _mm256_loadu_ps(pq.add(c));
                 for (acc, row) in acc.iter_mut().zip(&row) {
-                    *acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(row.add(c)), *acc);
+                    *acc = _mm256_fmadd_ps(qv, load8(row.add(c)), *acc);
                 }
                 c += 8;
             }
@@ -179,19 +169,19 @@ pub(crate) mod avx2 {
     /// 8), `acc` held in registers 64 (or 8) columns at a time across all the rows.
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA.
+    /// The CPU must support AVX2, FMA and F16C.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn weighted_sum(acc: &mut [f32], w: &[f32], v: &[f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn weighted_sum<T: KvElem>(acc: &mut [f32], w: &[f32], v: &[T]) {
         let hd = acc.len();
         assert!(hd.is_multiple_of(8) && v.len() >= w.len() * hd);
         let mut c = 0;
         while c + 64 <= hd {
-            weighted_sum_cols::<8>(acc.as_mut_ptr().add(c), w, v.as_ptr().add(c), hd);
+            weighted_sum_cols::<T, 8>(acc.as_mut_ptr().add(c), w, v.as_ptr().add(c), hd);
             c += 64;
         }
         while c < hd {
-            weighted_sum_cols::<1>(acc.as_mut_ptr().add(c), w, v.as_ptr().add(c), hd);
+            weighted_sum_cols::<T, 1>(acc.as_mut_ptr().add(c), w, v.as_ptr().add(c), hd);
             c += 8;
         }
     }
@@ -199,11 +189,11 @@ pub(crate) mod avx2 {
     /// [`weighted_sum`] over `8 · N` columns from `acc` and from each row of `v` (rows
     /// `stride` apart).
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn weighted_sum_cols<const N: usize>(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weighted_sum_cols<T: KvElem, const N: usize>(
         acc: *mut f32,
         w: &[f32],
-        v: *const f32,
+        v: *const T,
         stride: usize,
     ) {
         let mut a = [_mm256_setzero_ps(); N];
@@ -214,7 +204,7 @@ pub(crate) mod avx2 {
             let wv = _mm256_set1_ps(wi);
             let row = v.add(i * stride);
             for (j, a) in a.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * j)), *a);
+                *a = _mm256_fmadd_ps(wv, load8(row.add(8 * j)), *a);
             }
         }
         for (j, a) in a.iter().enumerate() {
@@ -294,63 +284,43 @@ pub(crate) fn exp_portable(xs: &mut [f32]) -> f32 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn simd_dot_and_axpy_match_the_portable_loops() {
-        #[cfg(target_arch = "x86_64")]
-        if qmatmul::Isa::best() != qmatmul::Isa::Scalar {
-            for n in [0, 1, 7, 8, 13, 32, 64, 77] {
-                let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-                let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
-                let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-                // SAFETY: checked above that the CPU has AVX2 and FMA.
-                let got = unsafe { avx2::dot(&a, &b) };
-                assert!(
-                    (got as f64 - want).abs() < 1e-5,
-                    "dot n={n}: {got} vs {want}"
-                );
-                let (mut fast, mut slow) = (b.clone(), b.clone());
-                unsafe { avx2::axpy(&mut fast, 0.75, &a) };
-                axpy(&mut slow, 0.75, &a);
-                for (f, s) in fast.iter().zip(&slow) {
-                    assert!((f - s).abs() < 1e-6, "axpy n={n}");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn simd_scores_and_weighted_sums_match_the_portable_loops() {
+    /// The vector scores and weighted sums against f64 sums over the stored values, for
+    /// `f32` and `f16` rows.
+    fn check_simd_rows<T: KvElem>() {
         #[cfg(target_arch = "x86_64")]
         if qmatmul::Isa::best() != qmatmul::Isa::Scalar {
             for hd in [8, 16, 24, 64, 72, 128] {
                 for n in [1, 5, 8, 13, 16] {
                     let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.37).sin()).collect();
-                    let rows: Vec<f32> = (0..n * hd).map(|i| (i as f32 * 0.11).cos()).collect();
+                    let rows: Vec<T> = (0..n * hd)
+                        .map(|i| T::from_f32((i as f32 * 0.11).cos()))
+                        .collect();
+                    let row = |i: usize, d: usize| rows[i * hd + d].to_f32() as f64;
                     let mut got = vec![f32::NAN; n];
-                    // SAFETY: checked above that the CPU has AVX2 and FMA.
+                    // SAFETY: checked above that the CPU has AVX2, FMA and F16C.
                     let max = unsafe { avx2::scores(&q, &rows, 0.5, &mut got) };
                     assert_eq!(max, got.iter().copied().fold(f32::NEG_INFINITY, f32::max));
                     for (i, g) in got.iter().enumerate() {
-                        let want: f64 = q
-                            .iter()
-                            .zip(&rows[i * hd..(i + 1) * hd])
-                            .map(|(a, b)| *a as f64 * *b as f64 * 0.5)
-                            .sum();
+                        let want: f64 = (0..hd).map(|d| q[d] as f64 * row(i, d) * 0.5).sum();
                         assert!((*g as f64 - want).abs() < 1e-5, "hd={hd} n={n} row {i}");
                     }
                     let w: Vec<f32> = (0..n).map(|i| 0.25 + i as f32 * 0.1).collect();
                     let mut fast = q.clone();
                     unsafe { avx2::weighted_sum(&mut fast, &w, &rows) };
                     for (d, f) in fast.iter().enumerate() {
-                        let want = q[d] as f64
-                            + (0..n)
-                                .map(|i| w[i] as f64 * rows[i * hd + d] as f64)
-                                .sum::<f64>();
+                        let want =
+                            q[d] as f64 + (0..n).map(|i| w[i] as f64 * row(i, d)).sum::<f64>();
                         assert!((*f as f64 - want).abs() < 1e-5, "hd={hd} n={n} col {d}");
                     }
                 }
             }
         }
+    }
+
+    #[test]
+    fn simd_scores_and_weighted_sums_match_f64_sums() {
+        check_simd_rows::<f32>();
+        check_simd_rows::<half::f16>();
     }
 
     #[test]

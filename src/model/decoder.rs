@@ -14,7 +14,7 @@ use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
 use super::weights::{FusedLinear, Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
-use crate::kernels::attention::{paged_attention, AttentionSeq};
+use crate::kernels::attention::AttentionSeq;
 use crate::kernels::rope::{inverse_frequencies, RotaryAngles};
 
 /// One sequence of a forward batch.
@@ -347,7 +347,7 @@ impl Model {
         kv.write(layer, seqs, &k, &v);
         let mut out = vec![0f32; q.len()];
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        paged_attention(&q, c.num_heads, &kv.layer(layer), seqs, scale, &mut out);
+        kv.attention(layer, &q, c.num_heads, seqs, scale, &mut out);
         let out = Tensor::from_vec(out, (t, c.q_dim()), &self.device)?;
         attn.o.forward(&out)
     }

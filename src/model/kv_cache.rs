@@ -2,13 +2,37 @@
 //!
 //! The cache is owned by the caller of the forward pass (a model actor), never by the model.
 //! Each sequence owns a [`BlockTable`]: the block ids that hold its positions in order. Layout of
-//! one layer: `[block][kv_head][slot][head_dim]` in `f32` (see `kernels::attention`).
+//! one layer: `[block][kv_head][slot][head_dim]` (see `kernels::attention`), in `f16` by default
+//! (half the memory and half the bytes attention reads) or `f32` ([`KvDtype`]).
 //! Guarantees: allocation and release are O(blocks moved); a block is in at most one table;
 //! [`KvCache::reserve`] either grows a table to the requested length or changes nothing.
 
+use half::f16;
+
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
-use crate::kernels::attention::{AttentionSeq, PagedKv, MAX_BLOCK_SIZE};
+use crate::kernels::attention::{paged_attention, AttentionSeq, PagedKv, MAX_BLOCK_SIZE};
+use crate::kernels::KvElem;
+
+/// What the cache stores K and V as.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    /// IEEE half precision: half the memory of `f32`, about three significant digits.
+    #[default]
+    F16,
+    /// Single precision, as the model computes.
+    F32,
+}
+
+impl KvDtype {
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            Self::F16 => 2,
+            Self::F32 => 4,
+        }
+    }
+}
 
 /// The block ids holding one sequence's positions, in order.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -26,9 +50,16 @@ impl BlockTable {
     }
 }
 
-struct LayerStore {
-    k: Vec<f32>,
-    v: Vec<f32>,
+/// One layer's K and V.
+struct LayerStore<T> {
+    k: Vec<T>,
+    v: Vec<T>,
+}
+
+/// Every layer's storage, in the cache's element type.
+enum Layers {
+    F16(Vec<LayerStore<f16>>),
+    F32(Vec<LayerStore<f32>>),
 }
 
 pub struct KvCache {
@@ -36,25 +67,37 @@ pub struct KvCache {
     num_blocks: usize,
     num_kv_heads: usize,
     head_dim: usize,
-    layers: Vec<LayerStore>,
+    layers: Layers,
     free: Vec<u32>,
 }
 
 impl KvCache {
-    /// A pool of `num_blocks` blocks of `block_size` positions for every layer of `config`.
-    pub fn new(config: &ModelConfig, block_size: usize, num_blocks: usize) -> Result<Self> {
+    /// A pool of `num_blocks` blocks of `block_size` positions for every layer of `config`,
+    /// stored as `dtype`.
+    pub fn new(
+        config: &ModelConfig,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvDtype,
+    ) -> Result<Self> {
         if block_size == 0 || block_size > MAX_BLOCK_SIZE {
             return Err(ModelError::InvalidBatch(format!(
                 "KV block size {block_size} must be in 1..={MAX_BLOCK_SIZE}"
             )));
         }
         let per_layer = num_blocks * block_size * config.kv_dim();
-        let layers = (0..config.num_layers)
-            .map(|_| LayerStore {
-                k: vec![0.0; per_layer],
-                v: vec![0.0; per_layer],
-            })
-            .collect();
+        fn zeroed<T: KvElem>(layers: usize, len: usize) -> Vec<LayerStore<T>> {
+            (0..layers)
+                .map(|_| LayerStore {
+                    k: vec![T::default(); len],
+                    v: vec![T::default(); len],
+                })
+                .collect()
+        }
+        let layers = match dtype {
+            KvDtype::F16 => Layers::F16(zeroed(config.num_layers, per_layer)),
+            KvDtype::F32 => Layers::F32(zeroed(config.num_layers, per_layer)),
+        };
         Ok(Self {
             block_size,
             num_blocks,
@@ -66,13 +109,30 @@ impl KvCache {
     }
 
     /// A pool large enough for `tokens` positions.
-    pub fn with_capacity(config: &ModelConfig, block_size: usize, tokens: usize) -> Result<Self> {
-        Self::new(config, block_size, tokens.div_ceil(block_size.max(1)))
+    pub fn with_capacity(
+        config: &ModelConfig,
+        block_size: usize,
+        tokens: usize,
+        dtype: KvDtype,
+    ) -> Result<Self> {
+        Self::new(
+            config,
+            block_size,
+            tokens.div_ceil(block_size.max(1)),
+            dtype,
+        )
     }
 
-    /// Bytes of cache one position costs across all layers (K and V).
-    pub fn bytes_per_token(config: &ModelConfig) -> usize {
-        2 * config.num_layers * config.kv_dim() * std::mem::size_of::<f32>()
+    /// Bytes of cache one position costs across all layers (K and V) when stored as `dtype`.
+    pub fn bytes_per_token(config: &ModelConfig, dtype: KvDtype) -> usize {
+        2 * config.num_layers * config.kv_dim() * dtype.size_in_bytes()
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        match self.layers {
+            Layers::F16(_) => KvDtype::F16,
+            Layers::F32(_) => KvDtype::F32,
+        }
     }
 
     pub fn block_size(&self) -> usize {
@@ -113,9 +173,8 @@ impl KvCache {
         self.free.extend(table.blocks.drain(..).rev());
     }
 
-    /// Read view of one layer for the attention kernel.
-    pub fn layer(&self, layer: usize) -> PagedKv<'_> {
-        let store = &self.layers[layer];
+    /// Read view of one layer in its stored type.
+    fn view<'a, T: KvElem>(&self, store: &'a LayerStore<T>) -> PagedKv<'a, T> {
         PagedKv {
             k: &store.k,
             v: &store.v,
@@ -125,20 +184,58 @@ impl KvCache {
         }
     }
 
+    /// Paged attention of `q` (`[tokens, num_heads, head_dim]`, sequences in order) over
+    /// layer `layer`'s cache, into `out` (see [`paged_attention`]).
+    pub fn attention(
+        &self,
+        layer: usize,
+        q: &[f32],
+        num_heads: usize,
+        seqs: &[AttentionSeq],
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        match &self.layers {
+            Layers::F16(l) => {
+                paged_attention(q, num_heads, &self.view(&l[layer]), seqs, scale, out)
+            }
+            Layers::F32(l) => {
+                paged_attention(q, num_heads, &self.view(&l[layer]), seqs, scale, out)
+            }
+        }
+    }
+
     /// Writes the K/V rows of the new tokens (`[tokens, kv_heads, head_dim]`, sequences in
-    /// order) at their positions.
+    /// order) at their positions, converted to the cache's type.
     pub fn write(&mut self, layer: usize, seqs: &[AttentionSeq], k: &[f32], v: &[f32]) {
-        let (hd, kvh, bs) = (self.head_dim, self.num_kv_heads, self.block_size);
-        let store = &mut self.layers[layer];
-        let mut rows = k.chunks_exact(hd).zip(v.chunks_exact(hd));
-        for seq in seqs {
-            for pos in seq.start_pos..seq.start_pos + seq.num_tokens {
-                let block = seq.blocks[pos / bs] as usize;
-                for head in 0..kvh {
-                    let (k_row, v_row) = rows.next().expect("K/V rows match the batch");
-                    let dst = ((block * kvh + head) * bs + pos % bs) * hd;
-                    store.k[dst..dst + hd].copy_from_slice(k_row);
-                    store.v[dst..dst + hd].copy_from_slice(v_row);
+        let shape = (self.head_dim, self.num_kv_heads, self.block_size);
+        match &mut self.layers {
+            Layers::F16(l) => write_rows(&mut l[layer], shape, seqs, k, v),
+            Layers::F32(l) => write_rows(&mut l[layer], shape, seqs, k, v),
+        }
+    }
+}
+
+/// [`KvCache::write`] into one layer of `T`.
+fn write_rows<T: KvElem>(
+    store: &mut LayerStore<T>,
+    (hd, kvh, bs): (usize, usize, usize),
+    seqs: &[AttentionSeq],
+    k: &[f32],
+    v: &[f32],
+) {
+    let mut rows = k.chunks_exact(hd).zip(v.chunks_exact(hd));
+    for seq in seqs {
+        for pos in seq.start_pos..seq.start_pos + seq.num_tokens {
+            let block = seq.blocks[pos / bs] as usize;
+            for head in 0..kvh {
+                let (k_row, v_row) = rows.next().expect("K/V rows match the batch");
+                let dst = ((block * kvh + head) * bs + pos % bs) * hd;
+                for (d, x) in store.k[dst..dst + hd].iter_mut().zip(k_row) {
+                    *d = T::from_f32(*x);
+                }
+                for (d, x) in store.v[dst..dst + hd].iter_mut().zip(v_row) {
+                    *d = T::from_f32(*x);
                 }
             }
         }
@@ -172,7 +269,7 @@ mod tests {
 
     #[test]
     fn reserve_grows_by_whole_blocks() {
-        let mut cache = KvCache::new(&config(), 4, 8).unwrap();
+        let mut cache = KvCache::new(&config(), 4, 8, KvDtype::F16).unwrap();
         let mut table = BlockTable::default();
         cache.reserve(&mut table, 5).unwrap();
         assert_eq!(table.blocks().len(), 2);
@@ -185,7 +282,7 @@ mod tests {
 
     #[test]
     fn failed_reserve_changes_nothing() {
-        let mut cache = KvCache::new(&config(), 4, 3).unwrap();
+        let mut cache = KvCache::new(&config(), 4, 3, KvDtype::F16).unwrap();
         let mut table = BlockTable::default();
         cache.reserve(&mut table, 4).unwrap();
         let err = cache.reserve(&mut table, 17).unwrap_err();
@@ -199,7 +296,7 @@ mod tests {
 
     #[test]
     fn released_blocks_are_reused_and_never_shared() {
-        let mut cache = KvCache::new(&config(), 2, 4).unwrap();
+        let mut cache = KvCache::new(&config(), 2, 4, KvDtype::F32).unwrap();
         let (mut a, mut b) = (BlockTable::default(), BlockTable::default());
         cache.reserve(&mut a, 4).unwrap();
         cache.reserve(&mut b, 4).unwrap();
@@ -212,24 +309,51 @@ mod tests {
         assert!(c.blocks().iter().all(|x| !b.blocks().contains(x)));
     }
 
+    /// K and V of `layer` at `offset..offset + len`, as `f32`.
+    fn stored(cache: &KvCache, layer: usize, offset: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
+        fn read<T: KvElem>(store: &LayerStore<T>, at: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
+            let f32s = |x: &[T]| x[at..at + len].iter().map(|e| e.to_f32()).collect();
+            (f32s(&store.k), f32s(&store.v))
+        }
+        match &cache.layers {
+            Layers::F16(l) => read(&l[layer], offset, len),
+            Layers::F32(l) => read(&l[layer], offset, len),
+        }
+    }
+
     #[test]
     fn write_places_rows_at_their_positions() {
         let cfg = config();
-        let mut cache = KvCache::new(&cfg, 2, 4).unwrap();
-        let mut table = BlockTable::default();
-        cache.reserve(&mut table, 3).unwrap();
-        let k: Vec<f32> = (0..12).map(|x| x as f32).collect();
-        let v: Vec<f32> = (0..12).map(|x| -(x as f32)).collect();
-        let seqs = [AttentionSeq {
-            blocks: table.blocks(),
-            start_pos: 0,
-            num_tokens: 3,
-        }];
-        cache.write(1, &seqs, &k, &v);
-        let view = cache.layer(1);
-        let third = view.block_offset(table.blocks()[1], 0);
-        assert_eq!(&view.k[third..third + 4], &[8.0, 9.0, 10.0, 11.0]);
-        assert_eq!(&view.v[third..third + 4], &[-8.0, -9.0, -10.0, -11.0]);
-        assert!(cache.layer(0).k.iter().all(|&x| x == 0.0));
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let mut cache = KvCache::new(&cfg, 2, 4, dtype).unwrap();
+            assert_eq!(cache.dtype(), dtype);
+            let mut table = BlockTable::default();
+            cache.reserve(&mut table, 3).unwrap();
+            let k: Vec<f32> = (0..12).map(|x| x as f32 + 0.5).collect();
+            let v: Vec<f32> = (0..12).map(|x| -(x as f32)).collect();
+            let seqs = [AttentionSeq {
+                blocks: table.blocks(),
+                start_pos: 0,
+                num_tokens: 3,
+            }];
+            cache.write(1, &seqs, &k, &v);
+            // Position 2 is the first slot of the second block (block size 2, one KV head).
+            let third = (table.blocks()[1] as usize * 2) * 4;
+            let (k3, v3) = stored(&cache, 1, third, 4);
+            assert_eq!(k3, [8.5, 9.5, 10.5, 11.5], "{dtype:?}");
+            assert_eq!(v3, [-8.0, -9.0, -10.0, -11.0], "{dtype:?}");
+            let (k0, v0) = stored(&cache, 0, 0, 4 * 2 * 4);
+            assert!(k0.iter().chain(&v0).all(|&x| x == 0.0), "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn f16_halves_the_bytes_per_token() {
+        let cfg = config();
+        assert_eq!(
+            KvCache::bytes_per_token(&cfg, KvDtype::F32),
+            2 * KvCache::bytes_per_token(&cfg, KvDtype::F16)
+        );
+        assert_eq!(KvCache::bytes_per_token(&cfg, KvDtype::F32), 2 * 2 * 4 * 4);
     }
 }

@@ -6,7 +6,7 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 
 use super::error::Result;
-use super::kv_cache::KvCache;
+use super::kv_cache::{KvCache, KvDtype};
 use super::runner::{logits_row, step, Sequence};
 use super::sampler::argmax;
 use super::Model;
@@ -18,6 +18,7 @@ pub struct Workload {
     pub prompt_len: usize,
     pub decode_steps: usize,
     pub seed: u64,
+    pub kv_dtype: KvDtype,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -31,7 +32,7 @@ pub fn measure(model: &Model, batch: usize, work: &Workload) -> Result<Throughpu
     let config = model.config();
     let block_size = 16;
     let per_seq = (work.prompt_len + work.decode_steps + 1).div_ceil(block_size) * block_size;
-    let mut kv = KvCache::with_capacity(config, block_size, batch * per_seq)?;
+    let mut kv = KvCache::with_capacity(config, block_size, batch * per_seq, work.kv_dtype)?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(work.seed);
     // Ordinary (non-special) ids from the low part of the vocabulary.
     let id_range = 0..(config.vocab_size as u32).min(10_000);
@@ -77,7 +78,7 @@ pub fn measure(model: &Model, batch: usize, work: &Workload) -> Result<Throughpu
 /// (for the matrices candle multiplies) weight repacking happen lazily on first use and would
 /// otherwise be charged to the first batch size, or to a server's first request.
 pub fn warm_up(model: &Model) -> Result<()> {
-    let mut kv = KvCache::with_capacity(model.config(), 16, 32)?;
+    let mut kv = KvCache::with_capacity(model.config(), 16, 32, KvDtype::default())?;
     let prompt = (1..=8).collect();
     let mut seq = Sequence::new(prompt);
     step(model, &mut kv, &mut [&mut seq], false)?;
@@ -88,11 +89,12 @@ pub fn warm_up(model: &Model) -> Result<()> {
 
 /// Seconds of one decode step at every batch size `1..=max_batch`: measured at powers of two
 /// (and `max_batch`), linear in between.
-pub fn step_latencies(model: &Model, max_batch: usize) -> Result<Vec<f64>> {
+pub fn step_latencies(model: &Model, max_batch: usize, kv_dtype: KvDtype) -> Result<Vec<f64>> {
     let work = Workload {
         prompt_len: 16,
         decode_steps: 4,
         seed: 0,
+        kv_dtype,
     };
     warm_up(model)?;
     let mut points = Vec::new();

@@ -8,7 +8,7 @@ use candle_core::Tensor;
 
 use super::decoder::{ForwardOutput, Model, SeqInput};
 use super::error::{ModelError, Result};
-use super::kv_cache::{BlockTable, KvCache};
+use super::kv_cache::{BlockTable, KvCache, KvDtype};
 use super::sampler::{Sampler, SamplingParams};
 
 /// A sequence's tokens, how many of them the KV cache already holds, and its blocks.
@@ -80,7 +80,7 @@ pub fn step(
 /// Logits and hidden states at every position of `tokens`, from a fresh cache (the whole
 /// text in one pass): what position `t` predicts for position `t + 1`.
 pub fn score_text(model: &Model, tokens: &[u32]) -> Result<ForwardOutput> {
-    let mut kv = KvCache::with_capacity(model.config(), 16, tokens.len())?;
+    let mut kv = KvCache::with_capacity(model.config(), 16, tokens.len(), KvDtype::default())?;
     let mut seq = Sequence::new(tokens.to_vec());
     kv.reserve(&mut seq.table, tokens.len())?;
     let input = SeqInput {

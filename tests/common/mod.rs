@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use candle_core::{Device, Tensor};
 use tokenrouter::model::runner::{logits_row, step, Sequence};
 use tokenrouter::model::sampler::argmax;
-use tokenrouter::model::{KvCache, LoadedModel, Model};
+use tokenrouter::model::{KvCache, KvDtype, LoadedModel, Model};
 
 /// Real quantized models: activations are re-quantized to 8 bits before every matmul, so two
 /// evaluations that differ only in float summation order land on different rounding of the
@@ -31,6 +31,16 @@ pub const QWEN_15B: &str = "Qwen2.5-Coder-1.5B-Instruct.gguf";
 pub const SMOLLM2: &str = "SmolLM2-135M-Instruct-Q4_1.gguf";
 
 /// Path of a fetched real model; fails the test with the fix if it is missing.
+/// The KV cache type of our side of a comparison: `f32` when every weight is dequantized
+/// (`CANDLE_DEQUANTIZE_ALL`, where logits must agree to float precision), else the default
+/// (`f16`), as served.
+pub fn kv_dtype() -> KvDtype {
+    match std::env::var("CANDLE_DEQUANTIZE_ALL") {
+        Ok(v) if !v.is_empty() && v != "0" => KvDtype::F32,
+        _ => KvDtype::default(),
+    }
+}
+
 pub fn real_model(name: &str) -> PathBuf {
     let dir = std::env::var_os("TOKENROUTER_MODELS_DIR")
         .map(PathBuf::from)
@@ -58,9 +68,13 @@ pub struct Ours<'a> {
 
 impl<'a> Ours<'a> {
     pub fn new(model: &'a Model, capacity: usize) -> Self {
+        Self::with_kv_dtype(model, capacity, kv_dtype())
+    }
+
+    pub fn with_kv_dtype(model: &'a Model, capacity: usize, dtype: KvDtype) -> Self {
         Self {
             model,
-            kv: KvCache::with_capacity(model.config(), 16, capacity).unwrap(),
+            kv: KvCache::with_capacity(model.config(), 16, capacity, dtype).unwrap(),
             seq: Sequence::new(Vec::new()),
         }
     }
@@ -174,7 +188,7 @@ pub fn greedy_together(
     steps: usize,
 ) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
     let capacity: usize = prompts.iter().map(|p| p.len() + steps + 16).sum();
-    let mut kv = KvCache::with_capacity(model.config(), 16, capacity).unwrap();
+    let mut kv = KvCache::with_capacity(model.config(), 16, capacity, kv_dtype()).unwrap();
     let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
     let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
     let mut tick = 0;

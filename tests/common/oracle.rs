@@ -38,7 +38,8 @@ pub fn entropy(logits: &[f32]) -> f32 {
 
 /// Greedy next-token logits of `model` for `context`, recomputed from nothing.
 pub fn fresh_logits(model: &Model, context: &[u32]) -> Vec<f32> {
-    let mut kv = KvCache::with_capacity(model.config(), 16, context.len()).unwrap();
+    let mut kv =
+        KvCache::with_capacity(model.config(), 16, context.len(), super::kv_dtype()).unwrap();
     let mut seq = Sequence::new(context.to_vec());
     let out = step(model, &mut kv, &mut [&mut seq], false).unwrap();
     logits_row(&out.logits, 0).unwrap()
@@ -145,7 +146,8 @@ pub struct TokenFeatures {
 
 /// Greedy token, logits and head features of `model` after `context`, from a fresh cache.
 pub fn fresh_features(model: &Model, context: &[u32]) -> (u32, Vec<f32>, TokenFeatures) {
-    let mut kv = KvCache::with_capacity(model.config(), 16, context.len()).unwrap();
+    let mut kv =
+        KvCache::with_capacity(model.config(), 16, context.len(), super::kv_dtype()).unwrap();
     let mut seq = Sequence::new(context.to_vec());
     let out = step(model, &mut kv, &mut [&mut seq], true).unwrap();
     let logits = logits_row(&out.logits, 0).unwrap();

@@ -52,7 +52,7 @@ impl Runtime {
         }
         let bytes: Vec<usize> = models
             .iter()
-            .map(|m| KvCache::bytes_per_token(m.model.config()))
+            .map(|m| KvCache::bytes_per_token(m.model.config(), config.kv_cache.dtype))
             .collect();
         let block_size = config.kv_cache.block_size;
         let kv = split_kv_budget(
@@ -111,6 +111,7 @@ impl Runtime {
                     max_batch_tokens: s.max_batch_tokens,
                     max_batch_requests: s.max_batch_requests,
                 },
+                kv_dtype: config.kv_cache.dtype,
                 stepping,
                 healthy: health[index].clone(),
                 prefixes: prefixes[index].clone(),
@@ -246,7 +247,11 @@ fn online_profile(
     };
     let measure = |i: usize| {
         with_pool(&pools[i], || {
-            step_latencies(&models[i].model, MAX_TUNED_CONCURRENCY)
+            step_latencies(
+                &models[i].model,
+                MAX_TUNED_CONCURRENCY,
+                config.kv_cache.dtype,
+            )
         })
         .map_err(|source| RuntimeError::Model {
             name: config.models[i].name.clone(),

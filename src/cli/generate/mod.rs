@@ -6,7 +6,9 @@ use std::io::Write;
 
 use clap::Args;
 use tokenrouter::model::runner::{generate, GenerationRequest};
-use tokenrouter::model::{ChatMessage, IncrementalDecoder, KvCache, LoadedModel, SamplingParams};
+use tokenrouter::model::{
+    ChatMessage, IncrementalDecoder, KvCache, KvDtype, LoadedModel, SamplingParams,
+};
 
 mod routed;
 
@@ -43,6 +45,9 @@ pub struct GenerateArgs {
     /// Tokens per KV-cache block (single-model generation).
     #[arg(long, default_value_t = 16, env = "TOKENROUTER_BLOCK_SIZE")]
     block_size: usize,
+    /// What the KV cache stores (single-model generation).
+    #[arg(long, value_enum, default_value_t = KvDtype::default())]
+    kv_dtype: KvDtype,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -91,7 +96,7 @@ fn run_single(
 ) -> anyhow::Result<()> {
     let config = lm.model.config();
     let tokens = (prompt.len() + args.max_tokens).min(config.context_length);
-    let mut kv = KvCache::with_capacity(config, args.block_size, tokens)?;
+    let mut kv = KvCache::with_capacity(config, args.block_size, tokens, args.kv_dtype)?;
     let mut decoder = IncrementalDecoder::new();
     let mut stdout = std::io::stdout().lock();
     let request = GenerationRequest {
