@@ -1,6 +1,7 @@
 //! Paged attention throughput: decode (one query token per sequence) over contexts of
-//! different lengths, reported as GB/s of K/V read, with a dense dot-product pass over the same
-//! bytes as the in-run baseline.
+//! different lengths, with the cache in f32 and in f16, reported as GB/s of f32 K/V (so the
+//! two types' rates compare directly), with a dense dot-product pass over the f32 bytes as the
+//! in-run baseline.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rand::{Rng, SeedableRng};
@@ -58,6 +59,19 @@ fn decode(c: &mut Criterion) {
         let id = format!("h{heads}_kv{kv_heads}_b{batch}_ctx{ctx}");
         group.bench_with_input(BenchmarkId::new("paged", &id), &(), |bench, _| {
             bench.iter(|| paged_attention(&q, heads, &kv, &seqs, 0.125, &mut out))
+        });
+        // The same values stored as f16 (the default cache type): half the bytes.
+        let k16: Vec<half::f16> = k.iter().map(|&x| half::f16::from_f32(x)).collect();
+        let v16: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+        let kv16 = PagedKv {
+            k: &k16,
+            v: &v16,
+            block_size: BLOCK,
+            num_kv_heads: kv_heads,
+            head_dim: HEAD_DIM,
+        };
+        group.bench_with_input(BenchmarkId::new("paged_f16", &id), &(), |bench, _| {
+            bench.iter(|| paged_attention(&q, heads, &kv16, &seqs, 0.125, &mut out))
         });
         group.bench_with_input(
             BenchmarkId::new("dense_read_baseline", &id),
