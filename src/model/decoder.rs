@@ -15,6 +15,7 @@ use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
 use super::weights::{FusedLinear, Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
 use crate::kernels::attention::AttentionSeq;
+use crate::kernels::exp_in_place;
 use crate::kernels::rope::{inverse_frequencies, RotaryAngles};
 
 /// One sequence of a forward batch.
@@ -174,7 +175,7 @@ impl Model {
         )?;
         let lm_head = if config.tied_embeddings || !counting.contains("output.weight") {
             counting.bytes += embed.storage_bytes();
-            Linear::new(embed.matmul(backend)?, None)
+            Linear::new(embed.matmul(backend)?, None)?
         } else {
             Linear::load(
                 &mut counting,
@@ -232,13 +233,13 @@ impl Model {
         let Some((x, last_rows)) = self.trunk(batch, kv)? else {
             return self.empty_output(want_hidden);
         };
-        let last = Tensor::from_vec(last_rows, batch.len(), &self.device)?;
-        let hidden = self.norm.forward(&x.index_select(&last, 0)?)?;
-        let logits = self.lm_head.forward(&hidden)?;
-        Ok(ForwardOutput {
-            logits,
-            hidden: want_hidden.then_some(hidden),
-        })
+        let h = self.config.hidden_size;
+        let last: Vec<f32> = last_rows
+            .iter()
+            .flat_map(|&r| &x[r * h..(r + 1) * h])
+            .copied()
+            .collect();
+        self.head(last, want_hidden)
     }
 
     /// Like [`Model::forward`], but logits and hidden states at every new position of every
@@ -252,11 +253,20 @@ impl Model {
         let Some((x, _)) = self.trunk(batch, kv)? else {
             return self.empty_output(true);
         };
-        let hidden = self.norm.forward(&x)?;
-        let logits = self.lm_head.forward(&hidden)?;
+        self.head(x, true)
+    }
+
+    /// The final norm and the LM head over residual rows `x` (`[rows, hidden]`).
+    fn head(&self, mut x: Vec<f32>, want_hidden: bool) -> Result<ForwardOutput> {
+        let c = &self.config;
+        let rows = x.len() / c.hidden_size;
+        self.norm.forward_in_place(&mut x);
+        let logits = self.lm_head.forward_rows(&x, rows)?;
         Ok(ForwardOutput {
-            logits,
-            hidden: Some(hidden),
+            logits: Tensor::from_vec(logits, (rows, c.vocab_size), &self.device)?,
+            hidden: want_hidden
+                .then(|| Tensor::from_vec(x, (rows, c.hidden_size), &self.device))
+                .transpose()?,
         })
     }
 
@@ -271,9 +281,13 @@ impl Model {
     }
 
     /// The decoder layers over every new token of the batch: the residual stream before the
-    /// final norm, `[tokens, hidden]`, and each sequence's last row in it (`None` when the
-    /// batch is empty).
-    fn trunk(&self, batch: &[SeqInput], kv: &mut KvCache) -> Result<Option<(Tensor, Vec<u32>)>> {
+    /// final norm (`[tokens, hidden]`, row-major), and each sequence's last row in it (`None`
+    /// when the batch is empty). Everything between the matmuls works on plain rows in place.
+    fn trunk(
+        &self,
+        batch: &[SeqInput],
+        kv: &mut KvCache,
+    ) -> Result<Option<(Vec<f32>, Vec<usize>)>> {
         let c = &self.config;
         self.validate_batch(batch, kv)?;
         if batch.is_empty() {
@@ -285,7 +299,7 @@ impl Model {
         for seq in batch {
             ids.extend_from_slice(seq.tokens);
             positions.extend((seq.start_pos..seq.start_pos + seq.tokens.len()).map(|p| p as u32));
-            last_rows.push(ids.len() as u32 - 1);
+            last_rows.push(ids.len() - 1);
         }
         let attn_seqs: Vec<AttentionSeq> = batch
             .iter()
@@ -296,60 +310,61 @@ impl Model {
             })
             .collect();
         let angles = RotaryAngles::new(&positions, &self.inv_freq, c.rope_style);
-        let num_tokens = ids.len();
-        let ids = Tensor::from_vec(ids, num_tokens, &self.device)?;
-        let mut x = self.embed.rows(&ids)?;
+        let t = ids.len();
+        let mut x = self.embed(&ids)?;
+        let mut h = vec![0f32; x.len()];
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = layer.attn_norm.forward(&x)?;
+            h.copy_from_slice(&x);
+            layer.attn_norm.forward_in_place(&mut h);
             let a = self.attention(&layer.attn, &h, i, &angles, &attn_seqs, kv)?;
-            x = (x + a)?;
-            let h = layer.ffn_norm.forward(&x)?;
-            let m = &layer.mlp;
-            let [gate, up]: [Tensor; 2] = m
-                .gate_up
-                .forward(&h)?
-                .try_into()
-                .expect("gate and up were loaded together");
-            let gated = (candle_nn::ops::silu(&gate)? * up)?;
-            x = (x + m.down.forward(&gated)?)?;
+            add_in_place(&mut x, &a);
+            h.copy_from_slice(&x);
+            layer.ffn_norm.forward_in_place(&mut h);
+            let gate_up = layer.mlp.gate_up.forward_rows(&h, t)?;
+            let ffn = c.intermediate_size;
+            let mut gated = vec![0f32; t * ffn];
+            for (r, out) in gated.chunks_exact_mut(ffn).enumerate() {
+                silu_mul(gate_up.row(0, r), gate_up.row(1, r), out);
+            }
+            add_in_place(&mut x, &layer.mlp.down.forward_rows(&gated, t)?);
         }
         Ok(Some((x, last_rows)))
     }
 
+    /// Self-attention of normalised rows `x` (`[tokens, hidden]`): the output projection's
+    /// rows, `[tokens, hidden]`.
     fn attention(
         &self,
         attn: &Attention,
-        x: &Tensor,
+        x: &[f32],
         layer: usize,
         angles: &RotaryAngles,
         seqs: &[AttentionSeq],
         kv: &mut KvCache,
-    ) -> Result<Tensor> {
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
-        let t = x.dim(0)?;
-        let heads = |y: Tensor, n: usize, norm: &Option<RmsNorm>| -> Result<Vec<f32>> {
-            let y = match norm {
-                Some(norm) => norm.forward(&y.reshape((t, n, c.head_dim))?)?,
-                None => y,
-            };
-            Ok(y.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        let t = x.len() / c.hidden_size;
+        let qkv = attn.qkv.forward_rows(x, t)?;
+        let part = |i: usize, norm: &Option<RmsNorm>| {
+            let mut y = Vec::with_capacity(t * qkv.row(i, 0).len());
+            for r in 0..t {
+                y.extend_from_slice(qkv.row(i, r));
+            }
+            if let Some(norm) = norm {
+                norm.forward_in_place(&mut y);
+            }
+            y
         };
-        let [q, k, v]: [Tensor; 3] = attn
-            .qkv
-            .forward(x)?
-            .try_into()
-            .expect("q, k and v were loaded together");
-        let mut q = heads(q, c.num_heads, &attn.q_norm)?;
-        let mut k = heads(k, c.num_kv_heads, &attn.k_norm)?;
-        let v = heads(v, c.num_kv_heads, &None)?;
+        let mut q = part(0, &attn.q_norm);
+        let mut k = part(1, &attn.k_norm);
+        let v = part(2, &None);
         angles.apply(&mut q, c.num_heads);
         angles.apply(&mut k, c.num_kv_heads);
         kv.write(layer, seqs, &k, &v);
         let mut out = vec![0f32; q.len()];
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         kv.attention(layer, &q, c.num_heads, seqs, scale, &mut out);
-        let out = Tensor::from_vec(out, (t, c.q_dim()), &self.device)?;
-        attn.o.forward(&out)
+        attn.o.forward_rows(&out, t)
     }
 
     fn validate_batch(&self, batch: &[SeqInput], kv: &KvCache) -> Result<()> {
@@ -381,5 +396,41 @@ impl Model {
             }
         }
         Ok(())
+    }
+}
+
+/// `x += y`, element-wise.
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(x, y)| *x += y);
+}
+
+/// `out = silu(gate) · up`, element-wise: `gate / (1 + e^-gate) · up`, the exponentials
+/// eight at a time.
+fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    out.iter_mut().zip(gate).for_each(|(o, g)| *o = -g);
+    exp_in_place(out);
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = *g / (1.0 + *o) * u;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silu_mul_matches_the_definition() {
+        let gate: Vec<f32> = (0..37).map(|i| -95.0 + i as f32 * 5.1).collect();
+        let up: Vec<f32> = (0..37).map(|i| 0.5 - i as f32 * 0.03).collect();
+        let mut out = vec![f32::NAN; gate.len()];
+        silu_mul(&gate, &up, &mut out);
+        for ((g, u), o) in gate.iter().zip(&up).zip(&out) {
+            let (g, u) = (*g as f64, *u as f64);
+            let want = g / (1.0 + (-g).exp()) * u;
+            assert!(
+                (*o as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "{g}: {o} vs {want}"
+            );
+        }
     }
 }

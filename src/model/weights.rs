@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 
 use super::error::{ModelError, Result};
 use crate::kernels::qmatmul::{
@@ -229,19 +229,27 @@ fn own_kernel(q: &Arc<QTensor>, backend: MatmulBackend) -> Result<Option<Matmul>
 }
 
 impl Matmul {
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x Wᵀ` for the `rows` rows of `x` (row-major), as a row-major `[rows, out]` vector:
+    /// our kernels multiply the slice in place; candle's get it as a tensor on the weight's
+    /// device.
+    pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         match self {
-            Self::Candle(m) => Ok(m.forward(x)?),
             Self::Own(kernel) => {
-                let rows = x.elem_count() / kernel.in_features();
-                let input = x.flatten_all()?.to_vec1::<f32>()?;
                 let mut out = vec![0f32; rows * kernel.out_features()];
-                kernel.matmul(&input, &mut out);
-                Ok(Tensor::from_vec(
-                    out,
-                    (rows, kernel.out_features()),
-                    x.device(),
-                )?)
+                kernel.matmul(x, &mut out);
+                Ok(out)
+            }
+            Self::Candle(m) => {
+                let device = match m {
+                    QMatMul::QTensor(q) => q.device(),
+                    QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.device().clone(),
+                };
+                let cols = x.len() / rows.max(1);
+                let x = Tensor::from_slice(x, (rows, cols), &device)?;
+                Ok(m.forward(&x)?
+                    .flatten_all()?
+                    .to_dtype(DType::F32)?
+                    .to_vec1()?)
             }
         }
     }
@@ -250,7 +258,7 @@ impl Matmul {
 /// `y = x Wᵀ (+ b)`.
 pub struct Linear {
     weight: Matmul,
-    bias: Option<Tensor>,
+    bias: Option<Vec<f32>>,
 }
 
 impl Linear {
@@ -270,19 +278,25 @@ impl Linear {
         } else {
             None
         };
+        Self::new(weight, bias)
+    }
+
+    pub fn new(weight: Matmul, bias: Option<Tensor>) -> Result<Self> {
+        let bias = bias
+            .map(|b| b.to_dtype(DType::F32)?.to_vec1())
+            .transpose()?;
         Ok(Self { weight, bias })
     }
 
-    pub fn new(weight: Matmul, bias: Option<Tensor>) -> Self {
-        Self { weight, bias }
-    }
-
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.weight.forward(x)?;
-        Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
+    /// `x Wᵀ (+ b)` for the `rows` rows of `x` (row-major), as a row-major vector.
+    pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let mut y = self.weight.forward_rows(x, rows)?;
+        if let Some(b) = &self.bias {
+            for row in y.chunks_exact_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
+        }
+        Ok(y)
     }
 }
 
@@ -318,54 +332,97 @@ impl FusedLinear {
                 false => None,
             };
             return Ok(Self::Fused {
-                linear: Linear::new(stacked.matmul(backend)?, bias),
+                linear: Linear::new(stacked.matmul(backend)?, bias)?,
                 parts: parts.iter().map(|p| p.1).collect(),
             });
         }
         let mut biases = biases.into_iter();
         weights
             .iter()
-            .map(|w| Ok(Linear::new(w.matmul(backend)?, biases.next())))
+            .map(|w| Linear::new(w.matmul(backend)?, biases.next()))
             .collect::<Result<Vec<_>>>()
             .map(Self::Separate)
     }
 
-    /// Each projection of `x` (`[tokens, in]`), in the order loaded.
-    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        match self {
+    /// Every projection of the `rows` rows of `x` (row-major, `in` each).
+    pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Projections> {
+        Ok(match self {
             Self::Fused { linear, parts } => {
-                let y = linear.forward(x)?;
-                let mut start = 0;
-                parts
+                let mut offset = 0;
+                let parts = parts
                     .iter()
-                    .map(|&rows| {
-                        let part = y.narrow(1, start, rows)?;
-                        start += rows;
-                        Ok(part)
+                    .map(|&width| {
+                        offset += width;
+                        (0, offset - width, width)
                     })
-                    .collect()
+                    .collect();
+                Projections {
+                    matrices: vec![(linear.forward_rows(x, rows)?, offset)],
+                    parts,
+                }
             }
-            Self::Separate(linears) => linears.iter().map(|l| l.forward(x)).collect(),
-        }
+            Self::Separate(linears) => {
+                let matrices = linears
+                    .iter()
+                    .map(|l| {
+                        let y = l.forward_rows(x, rows)?;
+                        let width = y.len() / rows.max(1);
+                        Ok((y, width))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let parts = matrices
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| (i, 0, m.1))
+                    .collect();
+                Projections { matrices, parts }
+            }
+        })
+    }
+}
+
+/// The outputs of a [`FusedLinear`]: each part's row, wherever the matmul left it.
+pub struct Projections {
+    /// Row-major matrices and their row widths.
+    matrices: Vec<(Vec<f32>, usize)>,
+    /// Per part: its matrix, its first column there and its width.
+    parts: Vec<(usize, usize, usize)>,
+}
+
+impl Projections {
+    /// Row `row` of part `part`.
+    pub fn row(&self, part: usize, row: usize) -> &[f32] {
+        let (m, offset, width) = self.parts[part];
+        let (data, stride) = &self.matrices[m];
+        &data[row * stride + offset..row * stride + offset + width]
     }
 }
 
 /// Root-mean-square layer norm over the last dimension.
 pub struct RmsNorm {
-    weight: Tensor,
+    weight: Vec<f32>,
     eps: f32,
 }
 
 impl RmsNorm {
     pub fn load(src: &mut dyn WeightSource, name: &str, len: usize, eps: f64) -> Result<Self> {
         Ok(Self {
-            weight: src.vector(name, len)?,
+            weight: src.vector(name, len)?.to_dtype(DType::F32)?.to_vec1()?,
             eps: eps as f32,
         })
     }
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::ops::rms_norm(x, &self.weight, self.eps)?)
+    /// Normalises each row of `x` (rows of the weight's length) in place: `x / rms(x) · w`,
+    /// the mean of squares summed in `f32` like candle's.
+    pub fn forward_in_place(&self, x: &mut [f32]) {
+        let n = self.weight.len();
+        for row in x.chunks_exact_mut(n) {
+            let sum2: f32 = row.iter().map(|v| v * v).sum();
+            let rms = (sum2 / n as f32 + self.eps).sqrt();
+            for (v, w) in row.iter_mut().zip(&self.weight) {
+                *v = *v / rms * w;
+            }
+        }
     }
 }
 
