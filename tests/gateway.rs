@@ -389,6 +389,31 @@ fn real_servers_behind_the_gateway_answer_as_directly() {
 }
 
 #[test]
+fn serve_with_dp_size_names_a_taken_server_port() {
+    let dir = common::server::tiny_pair_config("");
+    let config = dir.path().join("config.toml");
+    let port = common::server::free_port_run(2);
+    let _taken = std::net::TcpListener::bind(("127.0.0.1", port + 2)).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+        .args([
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--dp-size",
+            "2",
+        ])
+        .args(["--port", &port.to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("port {} for server 2 of 2", port + 2)),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn serve_with_dp_size_starts_servers_behind_a_gateway_and_stops_them() {
     let dir = common::server::tiny_pair_config("");
     let config = dir.path().join("config.toml");

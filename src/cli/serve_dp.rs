@@ -4,7 +4,7 @@
 //! and die with it if it is killed.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
@@ -49,6 +49,15 @@ pub fn start(
     let exe = std::env::current_exe()?;
     let mut servers = Servers(Vec::new());
     let ports: Vec<u16> = (0..n as u16).map(|i| first_port + i).collect();
+    // A taken port would only show as a server exiting early; name it before starting any.
+    for (i, &port) in ports.iter().enumerate() {
+        if let Err(e) = TcpListener::bind(("127.0.0.1", port)) {
+            anyhow::bail!(
+                "port {port} for server {} of {n} (the ports after --port) is not free ({e}); choose another --port",
+                i + 1
+            );
+        }
+    }
     for &port in &ports {
         let mut command = Command::new(&exe);
         command
