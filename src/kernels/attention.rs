@@ -217,7 +217,8 @@ struct Span<'a> {
 }
 
 /// Attention of the query heads of `q` (one GQA group) over `span`: adds the unnormalised
-/// weighted values to `out` and updates `state`. With AVX2 and FMA where the CPU has them.
+/// weighted values to `out` and updates `state`. With AVX2, FMA and F16C where the CPU has
+/// them and the head size is a multiple of 8; portable otherwise.
 fn attend_blocks<T: KvElem>(
     q: &[f32],
     out: &mut [f32],

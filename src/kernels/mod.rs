@@ -1,5 +1,6 @@
-//! Hot loops on plain slices: paged attention, rotary embedding, quantized matmul and the
-//! per-batch routing features (softmax entropy).
+//! Hot loops on plain slices: paged attention, rotary embedding, quantized matmul, the
+//! decoder's row-wise norm and activation, and the per-batch routing features (softmax
+//! entropy).
 //!
 //! Kernels know nothing of models, requests or tensors: they take slices, shapes and block
 //! tables, and write into caller-owned outputs. Each one has a scalar reference in its tests.
@@ -270,6 +271,29 @@ pub fn exp_in_place(xs: &mut [f32]) -> f32 {
     exp_portable(xs)
 }
 
+/// RMS norm of each row of `x` (rows of `weight.len()`) in place: `x / rms(x) · w`, the mean of
+/// squares summed in `f32` like candle's `rms_norm`.
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let n = weight.len();
+    for row in x.chunks_exact_mut(n) {
+        let sum2: f32 = row.iter().map(|v| v * v).sum();
+        let rms = (sum2 / n as f32 + eps).sqrt();
+        for (v, w) in row.iter_mut().zip(weight) {
+            *v = *v / rms * w;
+        }
+    }
+}
+
+/// `out = silu(gate) · up`, element-wise: `gate / (1 + e^-gate) · up`, the exponentials
+/// through [`exp_in_place`].
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    out.iter_mut().zip(gate).for_each(|(o, g)| *o = -g);
+    exp_in_place(out);
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = *g / (1.0 + *o) * u;
+    }
+}
+
 /// The portable [`exp_in_place`].
 pub(crate) fn exp_portable(xs: &mut [f32]) -> f32 {
     xs.iter_mut()
@@ -321,6 +345,22 @@ mod tests {
     fn simd_scores_and_weighted_sums_match_f64_sums() {
         check_simd_rows::<f32>();
         check_simd_rows::<half::f16>();
+    }
+
+    #[test]
+    fn silu_mul_matches_the_definition() {
+        let gate: Vec<f32> = (0..37).map(|i| -95.0 + i as f32 * 5.1).collect();
+        let up: Vec<f32> = (0..37).map(|i| 0.5 - i as f32 * 0.03).collect();
+        let mut out = vec![f32::NAN; gate.len()];
+        silu_mul(&gate, &up, &mut out);
+        for ((g, u), o) in gate.iter().zip(&up).zip(&out) {
+            let (g, u) = (*g as f64, *u as f64);
+            let want = g / (1.0 + (-g).exp()) * u;
+            assert!(
+                (*o as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "{g}: {o} vs {want}"
+            );
+        }
     }
 
     #[test]

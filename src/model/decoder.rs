@@ -15,8 +15,8 @@ use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
 use super::weights::{FusedLinear, Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
 use crate::kernels::attention::AttentionSeq;
-use crate::kernels::exp_in_place;
 use crate::kernels::rope::{inverse_frequencies, RotaryAngles};
+use crate::kernels::silu_mul;
 
 /// One sequence of a forward batch.
 #[derive(Clone, Copy, Debug)]
@@ -402,35 +402,4 @@ impl Model {
 /// `x += y`, element-wise.
 fn add_in_place(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(x, y)| *x += y);
-}
-
-/// `out = silu(gate) · up`, element-wise: `gate / (1 + e^-gate) · up`, the exponentials
-/// eight at a time.
-fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    out.iter_mut().zip(gate).for_each(|(o, g)| *o = -g);
-    exp_in_place(out);
-    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-        *o = *g / (1.0 + *o) * u;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn silu_mul_matches_the_definition() {
-        let gate: Vec<f32> = (0..37).map(|i| -95.0 + i as f32 * 5.1).collect();
-        let up: Vec<f32> = (0..37).map(|i| 0.5 - i as f32 * 0.03).collect();
-        let mut out = vec![f32::NAN; gate.len()];
-        silu_mul(&gate, &up, &mut out);
-        for ((g, u), o) in gate.iter().zip(&up).zip(&out) {
-            let (g, u) = (*g as f64, *u as f64);
-            let want = g / (1.0 + (-g).exp()) * u;
-            assert!(
-                (*o as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
-                "{g}: {o} vs {want}"
-            );
-        }
-    }
 }

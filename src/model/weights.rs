@@ -12,6 +12,7 @@ use crate::kernels::qmatmul::{
     BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, PackedQ4K, PackedQ4_0,
     PackedQ4_1, PackedQ5_0, PackedQ6K, PackedQ8_0, QuantKernel, QuantMatrix, WeightBlock,
 };
+use crate::kernels::rms_norm_in_place;
 
 pub trait WeightSource {
     /// A `[rows, cols]` (out, in) matrix, kept quantized when the checkpoint is.
@@ -412,17 +413,9 @@ impl RmsNorm {
         })
     }
 
-    /// Normalises each row of `x` (rows of the weight's length) in place: `x / rms(x) · w`,
-    /// the mean of squares summed in `f32` like candle's.
+    /// Normalises each row of `x` (rows of the weight's length) in place.
     pub fn forward_in_place(&self, x: &mut [f32]) {
-        let n = self.weight.len();
-        for row in x.chunks_exact_mut(n) {
-            let sum2: f32 = row.iter().map(|v| v * v).sum();
-            let rms = (sum2 / n as f32 + self.eps).sqrt();
-            for (v, w) in row.iter_mut().zip(&self.weight) {
-                *v = *v / rms * w;
-            }
-        }
+        rms_norm_in_place(x, &self.weight, self.eps)
     }
 }
 
