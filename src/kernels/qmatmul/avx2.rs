@@ -35,8 +35,7 @@ unsafe fn hsum(x: __m256) -> f32 {
     _mm_cvtss_f32(r)
 }
 
-/// Eight partial sums of `w · a` as floats; `w` signed (or unsigned when `unsigned`). With
-/// `VNNI` one `vpdpbusd` replaces the multiply-add pair (and needs AVX-512 VNNI and VL).
+/// Eight partial sums of `w · a` as floats; `w` signed (or unsigned when `unsigned`).
 #[inline(always)]
 pub(super) unsafe fn dot_i8<const VNNI: bool>(w: __m256i, a: __m256i, unsigned: bool) -> __m256 {
     let (w, a) = if unsigned {
@@ -44,12 +43,87 @@ pub(super) unsafe fn dot_i8<const VNNI: bool>(w: __m256i, a: __m256i, unsigned: 
     } else {
         (_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
     };
-    let sums = if VNNI {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a)
+    _mm256_cvtepi32_ps(dp32::<VNNI>(_mm256_setzero_si256(), w, a))
+}
+
+// The integer products of unsigned weight bytes `q` with signed activation bytes `x`, four to
+// a 32-bit lane. `VNNI` (AVX-512 VNNI and VL) takes one `vpdpbusd` per step into 32-bit lanes;
+// AVX2 takes `maddubs` into 16-bit pairs, added up in 16 bits where the products cannot
+// overflow them (`dp16`, widened once by `widen` or `scaled`) or widened every step (`dp32`).
+
+/// `acc + q · x` in 32-bit lanes.
+#[inline(always)]
+pub(super) unsafe fn dp32<const VNNI: bool>(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
+    if VNNI {
+        _mm256_dpbusd_epi32(acc, q, x)
     } else {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1))
-    };
-    _mm256_cvtepi32_ps(sums)
+        _mm256_add_epi32(
+            acc,
+            _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)),
+        )
+    }
+}
+
+/// `acc + q · x` in `VNNI`'s 32-bit lanes or AVX2's 16-bit pairs (the caller bounds the
+/// 16-bit sums).
+#[inline(always)]
+pub(super) unsafe fn dp16<const VNNI: bool>(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
+    if VNNI {
+        _mm256_dpbusd_epi32(acc, q, x)
+    } else {
+        _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, x))
+    }
+}
+
+/// Two [`dp16`] sums added (kernels keep two, so `vpdpbusd`'s latency overlaps; the caller
+/// bounds AVX2's 16-bit total).
+#[inline(always)]
+pub(super) unsafe fn add16<const VNNI: bool>(a: __m256i, b: __m256i) -> __m256i {
+    if VNNI {
+        _mm256_add_epi32(a, b)
+    } else {
+        _mm256_add_epi16(a, b)
+    }
+}
+
+/// A [`dp16`] sum as 32-bit lanes.
+#[inline(always)]
+pub(super) unsafe fn widen<const VNNI: bool>(part: __m256i) -> __m256i {
+    if VNNI {
+        part
+    } else {
+        _mm256_madd_epi16(part, _mm256_set1_epi16(1))
+    }
+}
+
+/// Eight per-lane scale bytes at `p` (signed when `SIGNED`) in the form [`scaled`] takes.
+#[inline(always)]
+pub(super) unsafe fn scales<const VNNI: bool, const SIGNED: bool>(p: *const u8) -> __m256i {
+    let s = _mm_loadl_epi64(p as *const __m128i);
+    match (VNNI, SIGNED) {
+        (true, true) => _mm256_cvtepi8_epi32(s),
+        (true, false) => _mm256_cvtepu8_epi32(s),
+        (false, signed) => {
+            // Each scale to the two 16-bit lanes of its 32-bit lane.
+            let pairs = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+            let s = _mm_shuffle_epi8(s, pairs);
+            if signed {
+                _mm256_cvtepi8_epi16(s)
+            } else {
+                _mm256_cvtepu8_epi16(s)
+            }
+        }
+    }
+}
+
+/// A [`dp16`] sum times [`scales`], as 32-bit lanes.
+#[inline(always)]
+pub(super) unsafe fn scaled<const VNNI: bool>(part: __m256i, scales: __m256i) -> __m256i {
+    if VNNI {
+        _mm256_mullo_epi32(part, scales)
+    } else {
+        _mm256_madd_epi16(part, scales)
+    }
 }
 
 #[inline(always)]

@@ -16,7 +16,9 @@
 //!   columns a slice at a time, passing every row tile over one slice while it sits in L2, so
 //!   a batch reads every weight byte from memory once.
 //! * Runtime dispatch ([`Isa`]): AVX2+FMA+F16C, with AVX-512 VNNI's integer dot products
-//!   where present, else a portable scalar path with the same block arithmetic.
+//!   (`vpdpbusd` on 256-bit registers, for both layouts) where present, else a portable scalar
+//!   path with the same block arithmetic. `tests/emulated_isa.rs` runs the VNNI paths on an
+//!   emulated CPU.
 //! * No allocation per call beyond a thread-local scratch buffer that grows to the largest
 //!   batch seen.
 

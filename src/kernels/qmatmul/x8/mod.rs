@@ -5,7 +5,9 @@
 //!   activations broadcast to every lane (`maddubs`);
 //! * several such products add up in 16-bit lanes, exactly, before one `madd` applies the eight
 //!   rows' sub-block scales: fewer multiplies per multiply-add than the row-major kernels, which
-//!   pay a `madd` for every `maddubs`;
+//!   pay a `madd` for every `maddubs`; with AVX-512 VNNI one `vpdpbusd` per step adds four
+//!   products straight into 32-bit lanes, and a 32-bit multiply applies the scales (the
+//!   `dp16` family in `qmatmul::avx2` holds both forms);
 //! * each super-block ends with one float multiply-add per activation row for all eight rows,
 //!   and there is no horizontal sum anywhere.
 //!
@@ -28,6 +30,40 @@ macro_rules! dispatch_rows {
         match $sums.len() {
             $($t => $kernel::<$g, $t>($w, $acts, $kb, $sums),)*
             n => unreachable!("no tile of {n} rows"),
+        }
+    };
+}
+
+/// A format's two SIMD entry points around its `#[inline(always)]` tile body
+/// `$body::<[G,] T, VNNI>`: `tile` for AVX2 (+FMA, F16C) and `tile_vnni` for AVX-512 VNNI.
+macro_rules! simd_tiles {
+    ($body:ident, [$($g:ident: $bound:path)?], $block:ty, $act:ty) => {
+        /// `T` activation rows × one group of eight weight rows.
+        ///
+        /// # Safety
+        /// The CPU must support AVX2, FMA and F16C; `acts` holds `T · kb` blocks, `w` `kb`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) unsafe fn tile<$($g: $bound,)? const T: usize>(
+            w: &[$block],
+            acts: &[$act],
+            kb: usize,
+            sums: &mut [[f32; ROWS]],
+        ) {
+            $body::<$($g,)? T, false>(w, acts, kb, sums)
+        }
+
+        /// As `tile`, with AVX-512 VNNI's dot products.
+        ///
+        /// # Safety
+        /// As `tile`, and the CPU must support AVX-512 F, BW, VL and VNNI.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(super) unsafe fn tile_vnni<$($g: $bound,)? const T: usize>(
+            w: &[$block],
+            acts: &[$act],
+            kb: usize,
+            sums: &mut [[f32; ROWS]],
+        ) {
+            $body::<$($g,)? T, true>(w, acts, kb, sums)
         }
     };
 }
@@ -57,10 +93,17 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     /// `sums[r][i]` = activation row `r` (`kb` blocks each in `acts`) · weight row `i` of the
     /// group `w` (`kb` blocks), for `sums.len()` rows, 1 to `TILE_ROWS`.
     ///
+    /// With `VNNI`, AVX-512 VNNI's dot products.
+    ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
+    /// The CPU must support AVX2, FMA and F16C, and with `VNNI` AVX-512 F, BW, VL and VNNI.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_avx2(w: &[Self], acts: &[Act<Self>], kb: usize, sums: &mut [[f32; ROWS]]);
+    unsafe fn tile_simd<const VNNI: bool>(
+        w: &[Self],
+        acts: &[Act<Self>],
+        kb: usize,
+        sums: &mut [[f32; ROWS]],
+    );
 }
 
 /// The activation blocks an interleaved format multiplies.
@@ -156,11 +199,12 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
 
 /// One group's tile with the instruction set `isa`.
 fn tile<P: Interleaved>(w: &[P], acts: &[Act<P>], kb: usize, sums: &mut [[f32; ROWS]], isa: Isa) {
+    // SAFETY: `isa` is one the CPU supports (`Isa::best`, or checked by `matmul_with`).
     #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Scalar {
-        // SAFETY: `isa` is one the CPU supports (`Isa::best`, or checked by `matmul_with`),
-        // and every SIMD one includes AVX2, FMA and F16C.
-        return unsafe { P::tile_avx2(w, acts, kb, sums) };
+    match isa {
+        Isa::Avx2 => return unsafe { P::tile_simd::<false>(w, acts, kb, sums) },
+        Isa::Avx512Vnni => return unsafe { P::tile_simd::<true>(w, acts, kb, sums) },
+        Isa::Scalar => {}
     }
     let _ = isa;
     tile_scalar(w, acts, kb, sums);

@@ -75,9 +75,18 @@ impl Interleaved for BlockQ4Kx8 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_avx2(w: &[Self], acts: &[ActBlockK], kb: usize, sums: &mut [[f32; ROWS]]) {
-        use avx2::tile;
-        dispatch_rows!(tile, w, acts, kb, sums, [4, 3, 2, 1])
+    unsafe fn tile_simd<const VNNI: bool>(
+        w: &[Self],
+        acts: &[ActBlockK],
+        kb: usize,
+        sums: &mut [[f32; ROWS]],
+    ) {
+        use avx2::{tile, tile_vnni};
+        if VNNI {
+            dispatch_rows!(tile_vnni, w, acts, kb, sums, [4, 3, 2, 1])
+        } else {
+            dispatch_rows!(tile, w, acts, kb, sums, [4, 3, 2, 1])
+        }
     }
 }
 
@@ -87,13 +96,14 @@ mod avx2 {
 
     use super::super::{broadcast4, prefetch_line};
     use super::{ActBlockK, BlockQ4Kx8, ROWS};
+    use crate::kernels::qmatmul::avx2::{add16, dp16, scaled, scales};
 
-    /// `T` activation rows × one group of eight weight rows.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `acts` holds `T · kb` blocks, `w` `kb`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile<const T: usize>(
+    simd_tiles!(tile_body, [], BlockQ4Kx8, ActBlockK);
+
+    /// The tile: a sub-block's eight products per row and lane add up in [`dp16`]'s lanes
+    /// (AVX2: at most 16 · 15 · 127 = 30 480 in 16 bits) before its scales apply.
+    #[inline(always)]
+    unsafe fn tile_body<const T: usize, const VNNI: bool>(
         w: &[BlockQ4Kx8],
         acts: &[ActBlockK],
         kb: usize,
@@ -101,23 +111,23 @@ mod avx2 {
     ) {
         debug_assert!(w.len() == kb && acts.len() == T * kb && sums.len() == T);
         let m4 = _mm256_set1_epi8(0x0F);
-        // Each sub-block scale to the two 16-bit lanes of its row.
-        let pairs = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..kb {
             let block = w.get_unchecked(b);
             let rows: [&ActBlockK; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
             let mut sumi = [_mm256_setzero_si256(); T];
             for j in 0..8 {
-                let scales = _mm_loadl_epi64(block.scales.as_ptr().add(8 * j) as *const __m128i);
-                let scales = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(scales, pairs));
+                let scales = scales::<VNNI, false>(block.scales.as_ptr().add(8 * j));
                 // Eight steps a block, 18 lines.
                 prefetch_line(block, 2 * j);
                 prefetch_line(block, 2 * j + 1);
                 if j < 2 {
                     prefetch_line(block, 16 + j);
                 }
-                let mut part = [_mm256_setzero_si256(); T];
+                // With VNNI, even and odd groups in separate sums (`vpdpbusd`'s latency
+                // overlaps); AVX2's one-cycle adds take one (the other stays zero and its
+                // add folds away).
+                let mut part = [[_mm256_setzero_si256(); T]; 2];
                 for g in 0..8 {
                     let bits = _mm256_load_si256(
                         block.qs.as_ptr().add((j / 2 * 8 + g) * 32) as *const __m256i
@@ -130,11 +140,13 @@ mod avx2 {
                     let q = _mm256_and_si256(bits, m4);
                     for r in 0..T {
                         let x = broadcast4(rows[r].qs.as_ptr().add(32 * j + 4 * g) as *const u8);
-                        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(q, x));
+                        let k = if VNNI { g % 2 } else { 0 };
+                        part[k][r] = dp16::<VNNI>(part[k][r], q, x);
                     }
                 }
                 for r in 0..T {
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(part[r], scales));
+                    let part = add16::<VNNI>(part[0][r], part[1][r]);
+                    sumi[r] = _mm256_add_epi32(sumi[r], scaled::<VNNI>(part, scales));
                 }
             }
             let d = _mm256_cvtph_ps(_mm_load_si128(block.d.as_ptr() as *const __m128i));

@@ -100,9 +100,18 @@ impl Interleaved for BlockQ6Kx8 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_avx2(w: &[Self], acts: &[ActBlockK], kb: usize, sums: &mut [[f32; ROWS]]) {
-        use avx2::tile;
-        dispatch_rows!(tile, w, acts, kb, sums, [8, 7, 6, 5, 4, 3, 2, 1])
+    unsafe fn tile_simd<const VNNI: bool>(
+        w: &[Self],
+        acts: &[ActBlockK],
+        kb: usize,
+        sums: &mut [[f32; ROWS]],
+    ) {
+        use avx2::{tile, tile_vnni};
+        if VNNI {
+            dispatch_rows!(tile_vnni, w, acts, kb, sums, [8, 7, 6, 5, 4, 3, 2, 1])
+        } else {
+            dispatch_rows!(tile, w, acts, kb, sums, [8, 7, 6, 5, 4, 3, 2, 1])
+        }
     }
 }
 
@@ -112,6 +121,7 @@ mod avx2 {
 
     use super::super::{broadcast4, prefetch_line};
     use super::{q_index, ActBlockK, BlockQ6Kx8, ROWS};
+    use crate::kernels::qmatmul::avx2::{dp16, scaled, scales};
 
     /// The values of sub-block `4n + k` for group `g` (four values of each row) as bytes.
     #[inline(always)]
@@ -132,20 +142,19 @@ mod avx2 {
         _mm256_or_si256(_mm256_or_si256(part(0, 0x03), part(1, 0x0C)), part(2, 0x30))
     }
 
-    /// `T` activation rows × one group of eight weight rows.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `acts` holds `T · kb` blocks, `w` `kb`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile<const T: usize>(
+    simd_tiles!(tile_body, [], BlockQ6Kx8, ActBlockK);
+
+    /// The tile: per row and lane, the products of a scale's two groups of four values add up
+    /// in [`dp16`]'s lanes (AVX2: four in each 16-bit half, at most 4 · 63 · 127 = 32 004)
+    /// before the scale applies.
+    #[inline(always)]
+    unsafe fn tile_body<const T: usize, const VNNI: bool>(
         w: &[BlockQ6Kx8],
         acts: &[ActBlockK],
         kb: usize,
         sums: &mut [[f32; ROWS]],
     ) {
         debug_assert!(w.len() == kb && acts.len() == T * kb && sums.len() == T);
-        // Each scale to the two 16-bit lanes of its row.
-        let pairs = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..kb {
             let block = w.get_unchecked(b);
@@ -155,8 +164,7 @@ mod avx2 {
                 let (n, k) = (sub / 4, sub % 4);
                 for half in 0..2 {
                     let s = 2 * sub + half;
-                    let scale = _mm_loadl_epi64(block.scales.as_ptr().add(8 * s) as *const __m128i);
-                    let scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scale, pairs));
+                    let scale = scales::<VNNI, true>(block.scales.as_ptr().add(8 * s) as *const u8);
                     for pair in 0..2 {
                         // 32 steps a block, 27 lines.
                         prefetch_line(block, (sub * 2 + half) * 2 + pair);
@@ -165,11 +173,9 @@ mod avx2 {
                         let q1 = values(block, n, k, g + 1);
                         for r in 0..T {
                             let x = rows[r].qs.as_ptr().add(32 * sub + 4 * g) as *const u8;
-                            let part = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(q0, broadcast4(x)),
-                                _mm256_maddubs_epi16(q1, broadcast4(x.add(4))),
-                            );
-                            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(part, scale));
+                            let part = dp16::<VNNI>(_mm256_setzero_si256(), q0, broadcast4(x));
+                            let part = dp16::<VNNI>(part, q1, broadcast4(x.add(4)));
+                            sumi[r] = _mm256_add_epi32(sumi[r], scaled::<VNNI>(part, scale));
                         }
                     }
                 }

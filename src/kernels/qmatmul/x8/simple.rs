@@ -53,12 +53,13 @@ pub trait SimpleX8: Copy + Send + Sync + 'static {
         None
     }
     /// `Σ value · qs` for each activation row and weight row (a 32-bit lane per weight row),
-    /// the values with their signed offsets applied.
+    /// the values with their signed offsets applied; with `VNNI` by AVX-512 VNNI's dot
+    /// products.
     ///
     /// # Safety
-    /// The CPU must support AVX2.
+    /// The CPU must support AVX2, and with `VNNI` AVX-512 VNNI and VL.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_i32<const T: usize>(
+    unsafe fn dot_i32<const T: usize, const VNNI: bool>(
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T];
@@ -77,9 +78,18 @@ impl<S: SimpleX8> Interleaved for S {
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_avx2(w: &[Self], acts: &[ActBlock], kb: usize, sums: &mut [[f32; ROWS]]) {
-        use avx2::tile;
-        dispatch_rows!(tile<S>, w, acts, kb, sums, [4, 3, 2, 1])
+    unsafe fn tile_simd<const VNNI: bool>(
+        w: &[Self],
+        acts: &[ActBlock],
+        kb: usize,
+        sums: &mut [[f32; ROWS]],
+    ) {
+        use avx2::{tile, tile_vnni};
+        if VNNI {
+            dispatch_rows!(tile_vnni<S>, w, acts, kb, sums, [4, 3, 2, 1])
+        } else {
+            dispatch_rows!(tile<S>, w, acts, kb, sums, [4, 3, 2, 1])
+        }
     }
 }
 
@@ -144,12 +154,12 @@ impl SimpleX8 for BlockQ4_0x8 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot_i32<const T: usize>(
+    unsafe fn dot_i32<const T: usize, const VNNI: bool>(
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T] {
         use std::arch::x86_64::*;
-        let sums = avx2::nibble_dots(&self.qs, acts);
+        let sums = avx2::nibble_dots::<T, VNNI>(&self.qs, acts);
         std::array::from_fn(|r| _mm256_sub_epi32(sums[r], _mm256_set1_epi32(8 * acts[r].sum)))
     }
 }
@@ -183,11 +193,11 @@ impl SimpleX8 for BlockQ4_1x8 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot_i32<const T: usize>(
+    unsafe fn dot_i32<const T: usize, const VNNI: bool>(
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T] {
-        avx2::nibble_dots(&self.qs, acts)
+        avx2::nibble_dots::<T, VNNI>(&self.qs, acts)
     }
 }
 
@@ -226,10 +236,11 @@ impl SimpleX8 for BlockQ5_0x8 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot_i32<const T: usize>(
+    unsafe fn dot_i32<const T: usize, const VNNI: bool>(
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T] {
+        use avx2::{dp16, widen};
         use std::arch::x86_64::*;
         let m4 = _mm256_set1_epi8(0x0F);
         let bit4 = _mm256_set1_epi8(0x10);
@@ -260,16 +271,12 @@ impl SimpleX8 for BlockQ5_0x8 {
             );
             for r in 0..T {
                 let x = acts[r].qs.as_ptr() as *const u8;
-                lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(q_lo, avx2::bcast(x, g)));
-                hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(q_hi, avx2::bcast(x, g + 4)));
+                lo[r] = dp16::<VNNI>(lo[r], q_lo, avx2::bcast(x, g));
+                hi[r] = dp16::<VNNI>(hi[r], q_hi, avx2::bcast(x, g + 4));
             }
         }
-        let ones = _mm256_set1_epi16(1);
         std::array::from_fn(|r| {
-            let sum = _mm256_add_epi32(
-                _mm256_madd_epi16(lo[r], ones),
-                _mm256_madd_epi16(hi[r], ones),
-            );
+            let sum = _mm256_add_epi32(widen::<VNNI>(lo[r]), widen::<VNNI>(hi[r]));
             _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * acts[r].sum))
         })
     }
@@ -304,25 +311,26 @@ impl SimpleX8 for BlockQ8_0x8 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot_i32<const T: usize>(
+    unsafe fn dot_i32<const T: usize, const VNNI: bool>(
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T] {
+        use avx2::dp32;
         use std::arch::x86_64::*;
-        let ones = _mm256_set1_epi16(1);
-        let mut sums = [_mm256_setzero_si256(); T];
+        // As Q4_K's: two sums with VNNI, one with AVX2.
+        let mut sums = [[_mm256_setzero_si256(); T]; 2];
         for g in 0..8 {
             let q = _mm256_loadu_si256(self.qs.as_ptr().add(32 * g) as *const __m256i);
-            // |q| · (x with q's sign): unsigned × signed, as `maddubs` takes them (a pair
-            // at most 2 · 128 · 127, so each product needs its own `madd`).
+            // |q| · (x with q's sign): unsigned × signed, as `maddubs` and `vpdpbusd` take
+            // them (an AVX2 pair at most 2 · 128 · 127, so each step widens).
             let abs = _mm256_sign_epi8(q, q);
             for r in 0..T {
                 let x = avx2::bcast(acts[r].qs.as_ptr() as *const u8, g);
-                let p = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, q));
-                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(p, ones));
+                let k = if VNNI { g % 2 } else { 0 };
+                sums[k][r] = dp32::<VNNI>(sums[k][r], abs, _mm256_sign_epi8(x, q));
             }
         }
-        sums
+        std::array::from_fn(|r| _mm256_add_epi32(sums[0][r], sums[1][r]))
     }
 }
 
@@ -332,6 +340,7 @@ mod avx2 {
 
     use super::super::{broadcast4, prefetch_line};
     use super::{ActBlock, SimpleX8, ROWS};
+    pub(super) use crate::kernels::qmatmul::avx2::{add16, dp16, dp32, widen};
 
     /// Activations `4g..4g + 4` of a block broadcast to every lane.
     #[inline(always)]
@@ -342,35 +351,33 @@ mod avx2 {
     /// `Σ q · x` for the unsigned nibbles of the 4-bit formats: all eight products of a block
     /// in 16-bit lanes, one `madd` per activation row.
     #[inline(always)]
-    pub(super) unsafe fn nibble_dots<const T: usize>(
+    pub(super) unsafe fn nibble_dots<const T: usize, const VNNI: bool>(
         qs: &[u8; 128],
         acts: &[&ActBlock; T],
     ) -> [__m256i; T] {
         let m4 = _mm256_set1_epi8(0x0F);
-        let mut part = [_mm256_setzero_si256(); T];
+        // As Q4_K's: two sums with VNNI, one with AVX2.
+        let mut part = [[_mm256_setzero_si256(); T]; 2];
+        let k = if VNNI { 1 } else { 0 };
         for g in 0..4 {
             let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * g) as *const __m256i);
             let lo = _mm256_and_si256(raw, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
             for r in 0..T {
                 let x = acts[r].qs.as_ptr() as *const u8;
-                let p = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo, bcast(x, g)),
-                    _mm256_maddubs_epi16(hi, bcast(x, g + 4)),
-                );
-                part[r] = _mm256_add_epi16(part[r], p);
+                part[0][r] = dp16::<VNNI>(part[0][r], lo, bcast(x, g));
+                part[k][r] = dp16::<VNNI>(part[k][r], hi, bcast(x, g + 4));
             }
         }
-        let ones = _mm256_set1_epi16(1);
-        std::array::from_fn(|r| _mm256_madd_epi16(part[r], ones))
+        std::array::from_fn(|r| widen::<VNNI>(add16::<VNNI>(part[0][r], part[1][r])))
     }
 
-    /// `T` activation rows × one group of eight weight rows.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `acts` holds `T · kb` blocks, `w` `kb`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile<S: SimpleX8, const T: usize>(
+    simd_tiles!(tile_body, [S: SimpleX8], S, ActBlock);
+
+    /// The tile: each block's integer dot products, then one float multiply-add (two for
+    /// the formats with an offset) per activation row for all eight rows.
+    #[inline(always)]
+    unsafe fn tile_body<S: SimpleX8, const T: usize, const VNNI: bool>(
         w: &[S],
         acts: &[ActBlock],
         kb: usize,
@@ -385,7 +392,7 @@ mod avx2 {
                 prefetch_line(block, line);
             }
             let rows: [&ActBlock; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
-            let dots = block.dot_i32(&rows);
+            let dots = block.dot_i32::<T, VNNI>(&rows);
             let d = _mm256_cvtph_ps(_mm_loadu_si128(block.d().as_ptr() as *const __m128i));
             for r in 0..T {
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(rows[r].d));
