@@ -1,5 +1,5 @@
 //! The quantized matmul's instruction-set paths as a C library, for running them on an
-//! emulated CPU that has instruction sets this machine lacks (AVX-512 VNNI): the harness
+//! emulated CPU that has instruction sets this machine lacks (AVX-512 VNNI, AVX-VNNI): the harness
 //! (`tests/emulated_isa.py`, driven by `tests/emulated_isa.rs`) prepares each case natively,
 //! runs [`emu_run`] on the emulated CPU over this process's own memory, and checks the result
 //! natively against the portable path.
@@ -60,19 +60,29 @@ const FORMATS: [&str; 6] = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"];
 const SHAPES: [(usize, usize, usize); 5] =
     [(7, 2, 1), (33, 3, 5), (16, 2, 1), (24, 3, 5), (8, 1, 17)];
 
-/// Number of cases (formats × shapes × the two SIMD instruction sets).
+/// The SIMD instruction sets, in the order of [`emu_isa`]'s numbers.
+const ISAS: [Isa; 3] = [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
+
+/// Number of cases (formats × shapes × SIMD instruction sets).
 #[no_mangle]
 pub extern "C" fn emu_cases() -> usize {
-    FORMATS.len() * SHAPES.len() * 2
+    FORMATS.len() * SHAPES.len() * ISAS.len()
+}
+
+/// The instruction set of case `i`: 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI.
+#[no_mangle]
+pub extern "C" fn emu_isa(i: usize) -> usize {
+    i % ISAS.len()
 }
 
 /// Prepares case `i`: weights and activations from a seeded generator, the portable
 /// result computed here, the output buffer and this thread's scratch sized.
 #[no_mangle]
 pub extern "C" fn emu_prepare(i: usize) -> *mut Case {
-    let isa = [Isa::Avx2, Isa::Avx512Vnni][i % 2];
-    let (format, (rows, blocks, m)) = (FORMATS[i / 2 / SHAPES.len()], SHAPES[i / 2 % SHAPES.len()]);
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(i as u64 / 2);
+    let isa = ISAS[emu_isa(i)];
+    let shape = i / ISAS.len();
+    let (format, (rows, blocks, m)) = (FORMATS[shape / SHAPES.len()], SHAPES[shape % SHAPES.len()]);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(shape as u64);
     let case = match format {
         "Q4_0" => build::<BlockQ4_0, BlockQ4_0x8>(GgmlDType::Q4_0, rows, blocks, m, &mut rng),
         "Q4_1" => build::<BlockQ4_1, BlockQ4_1x8>(GgmlDType::Q4_1, rows, blocks, m, &mut rng),

@@ -127,6 +127,46 @@ fn bench_model_prints_json_lines() {
 }
 
 #[test]
+fn the_instruction_set_override_is_checked_and_used() {
+    use tokenrouter::kernels::qmatmul::Isa;
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let bench = |isa: Option<&str>| {
+        let mut c = command();
+        c.args(["bench-model", "--model", model.to_str().unwrap()]);
+        c.args([
+            "--batch",
+            "2",
+            "--prompt-len",
+            "4",
+            "--decode-steps",
+            "2",
+            "--json",
+        ]);
+        match isa {
+            Some(isa) => c.env("TOKENROUTER_ISA", isa),
+            None => c.env_remove("TOKENROUTER_ISA"),
+        };
+        c.output().unwrap()
+    };
+    let kernels = |out: Output| {
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let row: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+        row["kernels"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(kernels(bench(Some("scalar"))), "scalar");
+    let fastest = Isa::available().last().unwrap().name();
+    assert_eq!(kernels(bench(None)), fastest);
+    assert_fails_with(
+        &bench(Some("avx3")),
+        "TOKENROUTER_ISA=\"avx3\" is not one of",
+    );
+    if let Some(missing) = Isa::ALL.into_iter().find(|isa| !isa.is_available()) {
+        assert_fails_with(&bench(Some(missing.name())), "this CPU lacks it");
+    }
+}
+
+#[test]
 fn missing_model_file_is_a_clear_error() {
     let out = generate("/nonexistent/model.gguf", "hi", &[]);
     assert_fails_with(&out, "/nonexistent/model.gguf");

@@ -72,10 +72,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .unwrap_or_default();
     if !args.json {
         println!(
-            "model {name}: {:.1} MB streamed per decode step, read bandwidth {:.2} GB/s, batch-1 roofline {:.1} tok/s",
+            "model {name}: {:.1} MB streamed per decode step, read bandwidth {:.2} GB/s, batch-1 roofline {:.1} tok/s, kernels {}",
             bytes / 1e6,
             bandwidth / 1e9,
-            bandwidth / bytes
+            bandwidth / bytes,
+            tokenrouter::kernels::qmatmul::Isa::best().name()
         );
         println!(
             "(the bandwidth drifts on a shared machine: each row's roofline is the mean of the read rates just before and just after it)"
@@ -113,6 +114,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "prefill_tok_s": row.prefill_tok_s,
                 "decode_tok_s": row.decode_tok_s,
                 "roofline_tok_s": roofline,
+                "kernels": tokenrouter::kernels::qmatmul::Isa::best().name(),
             });
             if let Some(b) = &base {
                 obj["candle_prefill_tok_s"] = b.prefill_tok_s.into();

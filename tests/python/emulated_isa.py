@@ -1,8 +1,12 @@
-"""Runs the quantized matmul's SIMD paths on an emulated CPU (Bochs' CPU model of a Sapphire
-Rapids, through the `bochscpu-python` package), so instruction sets this machine lacks
-(AVX-512 VNNI) are checked against the portable path.
+"""Runs the quantized matmul's SIMD paths on an emulated CPU (one of Bochs' CPU models,
+through the `bochscpu-python` package), so instruction sets this machine lacks (AVX-512 VNNI,
+AVX-VNNI) are checked against the portable path.
 
-usage: emulated_isa.py LIBRARY   (the `emulated_kernels` example, a shared library)
+usage: emulated_isa.py LIBRARY CPU
+  LIBRARY  the `emulated_kernels` example, a shared library
+  CPU      `sapphire_rapids` (AVX-512 VNNI and AVX-VNNI: every path must match) or
+           `arrow_lake` (AVX-VNNI, no AVX-512: the AVX-512 paths must fault on their first
+           AVX-512 instruction, which shows the emulator enforces the instruction set)
 
 The emulated CPU runs in 64-bit mode over this process's own memory: every 1 GiB region the
 process has mapped is one large page, numbered compactly in guest-physical space (the model's
@@ -58,9 +62,10 @@ mem = bochscpu.memory
 
 GIB = 1 << 30
 PAGE = 4096
-# Index of Bochs' `sapphire_rapids` in bochscpu's `cpu.model` list: AVX-512 F/BW/VL/VNNI
-# and AVX-VNNI (checked below through CPUID, so a different list fails loudly).
-SAPPHIRE_RAPIDS = 30
+# Indices of Bochs' CPU models in bochscpu's `cpu.model` list (their features are checked
+# below through CPUID, so a different list fails loudly).
+CPU_MODELS = {"sapphire_rapids": 30, "arrow_lake": 31}
+INVALID_OPCODE = 6
 
 libc = ctypes.CDLL(None)
 libc.mmap.restype = ctypes.c_void_p
@@ -87,8 +92,14 @@ def select_cpu_model(index):
     set_value(param, index)
 
 
+class Fault(RuntimeError):
+    def __init__(self, vector, message):
+        super().__init__(message)
+        self.vector = vector
+
+
 class Emulator:
-    def __init__(self, fs_base):
+    def __init__(self, fs_base, model):
         self.fs_base = fs_base
         self.slots = {}  # 1 GiB host region -> guest-physical slot (from 1)
         self.tables = host_alloc(PAGE * 64)  # PML4, then one PDPT per 512 GiB
@@ -96,7 +107,7 @@ class Emulator:
         self.stack = host_alloc(1 << 20)
         self.sentinel = host_alloc(PAGE)
         ctypes.memmove(self.sentinel, b"\xf4", 1)  # hlt
-        select_cpu_model(SAPPHIRE_RAPIDS)
+        select_cpu_model(CPU_MODELS[model])
         self.session = bochscpu.Session()
         self.session.missing_page_handler = self.missing_page
         self.fault = None
@@ -174,7 +185,7 @@ class Emulator:
         self.fault = None
 
         def on_exception(sess, cpu_id, vector, error_code):
-            self.fault = f"exception {vector} (error code {error_code}) at {sess.cpu.rip:#x}"
+            self.fault = (vector, f"exception {vector} (error code {error_code}) at {sess.cpu.rip:#x}")
             sess.stop()
 
         def on_hlt(sess, cpu_id):
@@ -185,7 +196,7 @@ class Emulator:
         hook.hlt = on_hlt
         self.session.run([hook])
         if self.fault:
-            raise RuntimeError(self.fault)
+            raise Fault(*self.fault)
         rip = self.session.cpu.state.rip
         if rip != self.sentinel + 1:
             raise RuntimeError(f"stopped at {rip:#x}, not at the return")
@@ -202,10 +213,24 @@ class Emulator:
         self.call(code, ctypes.addressof(out))
         return [x & 0xFFFFFFFF for x in out]  # ebx, ecx, edx
 
+    def eax_cpuid(self, leaf, subleaf):
+        code = host_alloc(PAGE)
+        program = (b"\xb8" + leaf.to_bytes(4, "little") + b"\xb9" + subleaf.to_bytes(4, "little")
+                   + b"\x0f\xa2"  # cpuid
+                   + b"\x48\x89\x07"  # mov [rdi], rax
+                   + b"\xc3")
+        ctypes.memmove(code, program, len(program))
+        out = (ctypes.c_uint64 * 1)()
+        self.call(code, ctypes.addressof(out))
+        return out[0] & 0xFFFFFFFF
+
 
 def main():
     lib = ctypes.CDLL(sys.argv[1])
+    model = sys.argv[2]
     lib.emu_cases.restype = ctypes.c_size_t
+    lib.emu_isa.restype = ctypes.c_size_t
+    lib.emu_isa.argtypes = [ctypes.c_size_t]
     lib.emu_prepare.restype = ctypes.c_void_p
     lib.emu_prepare.argtypes = [ctypes.c_size_t]
     lib.emu_run_native.restype = ctypes.c_bool
@@ -215,23 +240,47 @@ def main():
     lib.emu_free.argtypes = [ctypes.c_void_p]
     lib.emu_fs_base.restype = ctypes.c_uint64
 
-    emu = Emulator(lib.emu_fs_base())
+    emu = Emulator(lib.emu_fs_base(), model)
     ebx, ecx, _ = emu.cpuid(7, 0)
-    features = {"avx2": ebx >> 5, "avx512f": ebx >> 16, "avx512bw": ebx >> 30,
-                "avx512vl": ebx >> 31, "avx512vnni": ecx >> 11}
-    missing = [name for name, bit in features.items() if not bit & 1]
-    if missing:
-        sys.exit(f"the emulated CPU lacks {', '.join(missing)}: wrong `cpu.model` index?")
+    features = {"avx2": ebx >> 5 & 1, "avx512f": ebx >> 16 & 1, "avx512bw": ebx >> 30 & 1,
+                "avx512vl": ebx >> 31 & 1, "avx512vnni": ecx >> 11 & 1,
+                "avxvnni": emu.eax_cpuid(7, 1) >> 4 & 1}
+    avx512 = model == "sapphire_rapids"
+    want = {name: 1 if name.startswith("avx512") == avx512 or not name.startswith("avx512") else 0
+            for name in features}
+    if features != want:
+        sys.exit(f"the emulated {model} has {features}, expected {want}: wrong `cpu.model` index?")
+    print(f"emulated CPU: {model}, " + ", ".join(n for n, bit in features.items() if bit))
 
     run = ctypes.cast(lib.emu_run, ctypes.c_void_p).value
     msg = ctypes.create_string_buffer(512)
     failures = 0
     for i in range(lib.emu_cases()):
         case = lib.emu_prepare(i)
+        needs_avx512 = lib.emu_isa(i) == 2
         try:
-            emu.call(run, case)
+            try:
+                emu.call(run, case)
+                faulted = None
+            except Fault as f:
+                faulted = f
             ok = lib.emu_check(case, msg, len(msg))
-            print(("" if ok else "FAIL ") + "emulated " + msg.value.decode())
+            line = msg.value.decode()
+            if needs_avx512 and not avx512:
+                # Every path built on `vpdpbusd` must stop at it; the row-major K-quant kernels
+                # have no VNNI step of their own (the compiler may still pick EVEX forms).
+                name = line.split(":")[0]
+                undefined = faulted is not None and faulted.vector == INVALID_OPCODE
+                optional = "row-major" in name and ("Q4_K" in name or "Q6_K" in name)
+                ok = undefined or (optional and faulted is None and ok)
+                print(("" if ok else "FAIL ") + f"emulated {name}: "
+                      + ("invalid opcode, as expected" if undefined
+                         else f"ran ({faulted or 'no fault'})"))
+            elif faulted:
+                ok = False
+                print(f"FAIL emulated {line.split(':')[0]}: {faulted}")
+            else:
+                print(("" if ok else "FAIL ") + "emulated " + line)
             failures += not ok
             if lib.emu_run_native(case):
                 ok = lib.emu_check(case, msg, len(msg))

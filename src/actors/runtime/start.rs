@@ -224,7 +224,8 @@ fn compute_pools(config: &Config, models: &[Arc<LoadedModel>]) -> Vec<Arc<Comput
         .iter()
         .zip(budget)
         .map(|(m, threads)| {
-            tracing::info!(model = %m.name, threads, cores, "compute threads");
+            let kernels = crate::kernels::qmatmul::Isa::best().name();
+            tracing::info!(model = %m.name, threads, cores, kernels, "compute threads");
             ComputePool::new(threads, &m.name)
         })
         .collect()

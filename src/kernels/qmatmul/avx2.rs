@@ -37,39 +37,75 @@ unsafe fn hsum(x: __m256) -> f32 {
 
 /// Eight partial sums of `w · a` as floats; `w` signed (or unsigned when `unsigned`).
 #[inline(always)]
-pub(super) unsafe fn dot_i8<const VNNI: bool>(w: __m256i, a: __m256i, unsigned: bool) -> __m256 {
+pub(super) unsafe fn dot_i8<D: ByteDot>(w: __m256i, a: __m256i, unsigned: bool) -> __m256 {
     let (w, a) = if unsigned {
         (w, a)
     } else {
         (_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
     };
-    _mm256_cvtepi32_ps(dp32::<VNNI>(_mm256_setzero_si256(), w, a))
+    _mm256_cvtepi32_ps(dp32::<D>(_mm256_setzero_si256(), w, a))
 }
 
-// The integer products of unsigned weight bytes `q` with signed activation bytes `x`, four to
-// a 32-bit lane. `VNNI` (AVX-512 VNNI and VL) takes one `vpdpbusd` per step into 32-bit lanes;
-// AVX2 takes `maddubs` into 16-bit pairs, added up in 16 bits where the products cannot
-// overflow them (`dp16`, widened once by `widen` or `scaled`) or widened every step (`dp32`).
+/// How a kernel multiplies unsigned weight bytes `q` with signed activation bytes `x`, four
+/// products to a 32-bit lane: AVX2's `maddubs` into 16-bit pairs, or one `vpdpbusd` straight
+/// into 32-bit lanes in either VNNI encoding. Kernels are generic over it (every method is
+/// inlined into a kernel compiled with the matching target features) and add AVX2's pairs up
+/// in 16 bits where the products cannot overflow them ([`dp16`], widened once by [`widen`] or
+/// [`scaled`]), or widen every step ([`dp32`]).
+pub trait ByteDot: 'static {
+    /// Whether `dpbusd` is one instruction, so kernels keep 32-bit sums.
+    const VNNI: bool;
+    /// `acc + q · x` in 32-bit lanes.
+    ///
+    /// # Safety
+    /// Only inside a kernel compiled with the type's target features.
+    unsafe fn dpbusd(acc: __m256i, q: __m256i, x: __m256i) -> __m256i;
+}
 
-/// `acc + q · x` in 32-bit lanes.
-#[inline(always)]
-pub(super) unsafe fn dp32<const VNNI: bool>(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
-    if VNNI {
-        _mm256_dpbusd_epi32(acc, q, x)
-    } else {
-        _mm256_add_epi32(
-            acc,
-            _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)),
-        )
+/// AVX2: `maddubs` (pairs saturate at ±32 767, which no format's products reach) and `madd`.
+pub struct Avx2Dot;
+/// AVX-VNNI's VEX-encoded `vpdpbusd` (Alder Lake and later client cores, Zen 5).
+pub struct AvxVnniDot;
+/// AVX-512 VNNI's EVEX-encoded `vpdpbusd` on 256-bit registers (with AVX-512 VL).
+pub struct Avx512VnniDot;
+
+impl ByteDot for Avx2Dot {
+    const VNNI: bool = false;
+    #[inline(always)]
+    unsafe fn dpbusd(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(q, x);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
     }
 }
 
-/// `acc + q · x` in `VNNI`'s 32-bit lanes or AVX2's 16-bit pairs (the caller bounds the
-/// 16-bit sums).
-#[inline(always)]
-pub(super) unsafe fn dp16<const VNNI: bool>(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
-    if VNNI {
+impl ByteDot for AvxVnniDot {
+    const VNNI: bool = true;
+    #[inline(always)]
+    unsafe fn dpbusd(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(acc, q, x)
+    }
+}
+
+impl ByteDot for Avx512VnniDot {
+    const VNNI: bool = true;
+    #[inline(always)]
+    unsafe fn dpbusd(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, q, x)
+    }
+}
+
+/// `acc + q · x` in 32-bit lanes.
+#[inline(always)]
+pub(super) unsafe fn dp32<D: ByteDot>(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
+    D::dpbusd(acc, q, x)
+}
+
+/// `acc + q · x` in the VNNI forms' 32-bit lanes or AVX2's 16-bit pairs (the caller bounds
+/// the 16-bit sums).
+#[inline(always)]
+pub(super) unsafe fn dp16<D: ByteDot>(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
+    if D::VNNI {
+        D::dpbusd(acc, q, x)
     } else {
         _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, x))
     }
@@ -78,8 +114,8 @@ pub(super) unsafe fn dp16<const VNNI: bool>(acc: __m256i, q: __m256i, x: __m256i
 /// Two [`dp16`] sums added (kernels keep two, so `vpdpbusd`'s latency overlaps; the caller
 /// bounds AVX2's 16-bit total).
 #[inline(always)]
-pub(super) unsafe fn add16<const VNNI: bool>(a: __m256i, b: __m256i) -> __m256i {
-    if VNNI {
+pub(super) unsafe fn add16<D: ByteDot>(a: __m256i, b: __m256i) -> __m256i {
+    if D::VNNI {
         _mm256_add_epi32(a, b)
     } else {
         _mm256_add_epi16(a, b)
@@ -88,8 +124,8 @@ pub(super) unsafe fn add16<const VNNI: bool>(a: __m256i, b: __m256i) -> __m256i 
 
 /// A [`dp16`] sum as 32-bit lanes.
 #[inline(always)]
-pub(super) unsafe fn widen<const VNNI: bool>(part: __m256i) -> __m256i {
-    if VNNI {
+pub(super) unsafe fn widen<D: ByteDot>(part: __m256i) -> __m256i {
+    if D::VNNI {
         part
     } else {
         _mm256_madd_epi16(part, _mm256_set1_epi16(1))
@@ -98,9 +134,9 @@ pub(super) unsafe fn widen<const VNNI: bool>(part: __m256i) -> __m256i {
 
 /// Eight per-lane scale bytes at `p` (signed when `SIGNED`) in the form [`scaled`] takes.
 #[inline(always)]
-pub(super) unsafe fn scales<const VNNI: bool, const SIGNED: bool>(p: *const u8) -> __m256i {
+pub(super) unsafe fn scales<D: ByteDot, const SIGNED: bool>(p: *const u8) -> __m256i {
     let s = _mm_loadl_epi64(p as *const __m128i);
-    match (VNNI, SIGNED) {
+    match (D::VNNI, SIGNED) {
         (true, true) => _mm256_cvtepi8_epi32(s),
         (true, false) => _mm256_cvtepu8_epi32(s),
         (false, signed) => {
@@ -118,8 +154,8 @@ pub(super) unsafe fn scales<const VNNI: bool, const SIGNED: bool>(p: *const u8) 
 
 /// A [`dp16`] sum times [`scales`], as 32-bit lanes.
 #[inline(always)]
-pub(super) unsafe fn scaled<const VNNI: bool>(part: __m256i, scales: __m256i) -> __m256i {
-    if VNNI {
+pub(super) unsafe fn scaled<D: ByteDot>(part: __m256i, scales: __m256i) -> __m256i {
+    if D::VNNI {
         _mm256_mullo_epi32(part, scales)
     } else {
         _mm256_madd_epi16(part, scales)
@@ -134,7 +170,7 @@ pub(super) unsafe fn f16_to_f32(bits: u16) -> f32 {
 /// The tile kernels for one instruction set: `$tile` dispatches on the tile shape to
 /// `$block`, which keeps its `C × T` accumulators in registers.
 macro_rules! tile_kernels {
-    ($tile:ident, $block:ident, $features:literal, $vnni:literal) => {
+    ($tile:ident, $block:ident, $features:literal, $dot:ty) => {
         #[target_feature(enable = $features)]
         pub(super) unsafe fn $tile<B: WeightBlock>(
             w: &[B],
@@ -187,7 +223,7 @@ macro_rules! tile_kernels {
                 for (c, block) in blocks.iter_mut().enumerate().skip(1) {
                     *block = w.get_unchecked(c * kb + b);
                 }
-                B::accumulate_avx2::<C, T, $vnni>(&blocks, &rows, &mut acc, &mut offsets);
+                B::accumulate_avx2::<C, T, $dot>(&blocks, &rows, &mut acc, &mut offsets);
             }
             for c in 0..C {
                 for r in 0..T {
@@ -198,12 +234,18 @@ macro_rules! tile_kernels {
     };
 }
 
-tile_kernels!(dot_tile, dot_block, "avx2,fma,f16c", false);
+tile_kernels!(dot_tile, dot_block, "avx2,fma,f16c", Avx2Dot);
+tile_kernels!(
+    dot_tile_avxvnni,
+    dot_block_avxvnni,
+    "avx2,fma,f16c,avxvnni",
+    AvxVnniDot
+);
 tile_kernels!(
     dot_tile_vnni,
     dot_block_vnni,
     "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
-    true
+    Avx512VnniDot
 );
 
 /// [`super::quantize_i8`] eight values at a time; `xs.len()` a multiple of 8, `qs` as long.

@@ -3,6 +3,8 @@
 
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+use super::ByteDot;
 use super::{ActBlock, WeightBlock, QK};
 
 /// A 32-value format: its scale, offset and integer values; [`WeightBlock`] follows from these.
@@ -46,7 +48,7 @@ impl<B: SimpleBlock> WeightBlock for B {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn accumulate_avx2<const C: usize, const T: usize, const VNNI: bool>(
+    unsafe fn accumulate_avx2<const C: usize, const T: usize, D: ByteDot>(
         blocks: &[&Self; C],
         acts: &[&ActBlock; T],
         acc: &mut [[std::arch::x86_64::__m256; T]; C],
@@ -59,7 +61,7 @@ impl<B: SimpleBlock> WeightBlock for B {
             let d = f16_to_f32(blocks[c].d_bits());
             for r in 0..T {
                 let av = _mm256_load_si256(acts[r].qs.as_ptr() as *const __m256i);
-                let p = dot_i8::<VNNI>(wv, av, B::UNSIGNED);
+                let p = dot_i8::<D>(wv, av, B::UNSIGNED);
                 acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[r].d), p, acc[c][r]);
             }
             if B::UNSIGNED {

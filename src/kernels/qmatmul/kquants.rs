@@ -4,6 +4,8 @@
 
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+use super::ByteDot;
 use super::{ActFormat, WeightBlock};
 
 /// Values per super-block.
@@ -126,7 +128,7 @@ impl WeightBlock for BlockQ4K {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn accumulate_avx2<const C: usize, const T: usize, const VNNI: bool>(
+    unsafe fn accumulate_avx2<const C: usize, const T: usize, D: ByteDot>(
         blocks: &[&Self; C],
         acts: &[&ActBlockK; T],
         acc: &mut [[std::arch::x86_64::__m256; T]; C],
@@ -247,7 +249,7 @@ impl WeightBlock for BlockQ6K {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn accumulate_avx2<const C: usize, const T: usize, const VNNI: bool>(
+    unsafe fn accumulate_avx2<const C: usize, const T: usize, D: ByteDot>(
         blocks: &[&Self; C],
         acts: &[&ActBlockK; T],
         acc: &mut [[std::arch::x86_64::__m256; T]; C],

@@ -15,10 +15,10 @@
 //!   register tiles of up to [`MAX_TILE`] dot products ([`WeightBlock::TILES`]); it takes its
 //!   columns a slice at a time, passing every row tile over one slice while it sits in L2, so
 //!   a batch reads every weight byte from memory once.
-//! * Runtime dispatch ([`Isa`]): AVX2+FMA+F16C, with AVX-512 VNNI's integer dot products
-//!   (`vpdpbusd` on 256-bit registers, for both layouts) where present, else a portable scalar
-//!   path with the same block arithmetic. `tests/emulated_isa.rs` runs the VNNI paths on an
-//!   emulated CPU.
+//! * Runtime dispatch ([`Isa`]): AVX2+FMA+F16C, with AVX-512 VNNI's or AVX-VNNI's integer dot
+//!   products (`vpdpbusd` on 256-bit registers, for both layouts; see [`ByteDot`]) where
+//!   present, else a portable scalar path with the same block arithmetic.
+//!   `tests/emulated_isa.rs` runs the VNNI paths on emulated CPUs.
 //! * No allocation per call beyond a thread-local scratch buffer that grows to the largest
 //!   batch seen.
 
@@ -31,6 +31,8 @@ use half::f16;
 use super::parallel::{for_each_range, DisjointOut};
 
 mod blocks;
+#[cfg(target_arch = "x86_64")]
+pub use avx2::{Avx2Dot, Avx512VnniDot, AvxVnniDot, ByteDot};
 mod kquants;
 mod x8;
 pub use blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, SimpleBlock};
@@ -75,15 +77,14 @@ pub trait WeightBlock: Copy + Send + Sync + 'static {
     /// This block · one activation block: the portable path.
     fn dot(&self, a: &Self::Act) -> f32;
     /// Adds `blocks[c]` · `acts[r]` to `acc[c][r]` (eight partial sums) or `offsets[c][r]`
-    /// for a tile of `C` weight rows × `T` activation rows; `VNNI` lets it use AVX-512 VNNI's
-    /// 256-bit dot products. Always inlined into the SIMD kernels, so the intrinsics compile
-    /// with their target features.
+    /// for a tile of `C` weight rows × `T` activation rows, multiplying bytes as `D` does.
+    /// Always inlined into the SIMD kernels, so the intrinsics compile with their target
+    /// features.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C, and with `VNNI` also AVX-512 F, BW, VL and
-    /// VNNI.
+    /// The CPU must support AVX2, FMA and F16C, and `D`'s instructions.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn accumulate_avx2<const C: usize, const T: usize, const VNNI: bool>(
+    unsafe fn accumulate_avx2<const C: usize, const T: usize, D: ByteDot>(
         blocks: &[&Self; C],
         acts: &[&Self::Act; T],
         acc: &mut [[std::arch::x86_64::__m256; T]; C],
@@ -407,25 +408,77 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
+    /// The AVX2 kernels with AVX-VNNI's integer dot products (`vpdpbusd`, VEX-encoded):
+    /// client cores without AVX-512 (Alder Lake and later).
+    AvxVnni,
     /// The AVX2 kernels with AVX-512 VNNI's 256-bit integer dot products (`vpdpbusd`).
     Avx512Vnni,
 }
 
+/// Environment variable that chooses the instruction set instead of the fastest one.
+pub const ISA_ENV: &str = "TOKENROUTER_ISA";
+
 impl Isa {
-    /// The fastest one this CPU supports (detected once).
+    /// Every instruction set, slowest first.
+    pub const ALL: [Isa; 4] = [Self::Scalar, Self::Avx2, Self::AvxVnni, Self::Avx512Vnni];
+
+    /// The name `TOKENROUTER_ISA` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            Self::Avx2 => "avx2",
+            Self::AvxVnni => "avx-vnni",
+            Self::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
+    /// The one the kernels use: `TOKENROUTER_ISA`'s choice when set and valid (else a
+    /// warning), or the fastest this CPU supports (decided once).
     pub fn best() -> Self {
         static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *BEST.get_or_init(|| {
-            [Self::Avx512Vnni, Self::Avx2]
+            let fastest = Self::ALL
                 .into_iter()
+                .rev()
                 .find(|isa| isa.is_available())
-                .unwrap_or(Self::Scalar)
+                .unwrap_or(Self::Scalar);
+            match Self::from_env() {
+                Ok(chosen) => chosen.unwrap_or(fastest),
+                Err(e) => {
+                    tracing::warn!("{e}; using {}", fastest.name());
+                    fastest
+                }
+            }
         })
+    }
+
+    /// The instruction set `TOKENROUTER_ISA` names, if it is set; an error names a value that
+    /// is unknown or that this CPU lacks.
+    pub fn from_env() -> Result<Option<Self>, String> {
+        let Ok(value) = std::env::var(ISA_ENV) else {
+            return Ok(None);
+        };
+        let names = Self::ALL.map(Self::name).join(", ");
+        let isa = Self::ALL
+            .into_iter()
+            .find(|isa| isa.name() == value.trim())
+            .ok_or_else(|| format!("{ISA_ENV}={value:?} is not one of {names}"))?;
+        if !isa.is_available() {
+            let here = Self::available()
+                .into_iter()
+                .map(Self::name)
+                .collect::<Vec<_>>();
+            return Err(format!(
+                "{ISA_ENV}={value:?}: this CPU lacks it (it has {})",
+                here.join(", ")
+            ));
+        }
+        Ok(Some(isa))
     }
 
     /// Every one this CPU supports.
     pub fn available() -> Vec<Self> {
-        [Self::Scalar, Self::Avx2, Self::Avx512Vnni]
+        Self::ALL
             .into_iter()
             .filter(|isa| isa.is_available())
             .collect()
@@ -440,6 +493,7 @@ impl Isa {
             match self {
                 Self::Scalar => true,
                 Self::Avx2 => avx2,
+                Self::AvxVnni => avx2 && is_x86_feature_detected!("avxvnni"),
                 Self::Avx512Vnni => {
                     avx2 && is_x86_feature_detected!("avx512f")
                         && is_x86_feature_detected!("avx512bw")
@@ -470,6 +524,7 @@ fn dot_tile<B: WeightBlock>(
     #[cfg(target_arch = "x86_64")]
     match isa {
         Isa::Avx2 => return unsafe { avx2::dot_tile(w, cols, acts, kb, sums) },
+        Isa::AvxVnni => return unsafe { avx2::dot_tile_avxvnni(w, cols, acts, kb, sums) },
         Isa::Avx512Vnni => return unsafe { avx2::dot_tile_vnni(w, cols, acts, kb, sums) },
         Isa::Scalar => {}
     }

@@ -5,7 +5,7 @@
 //!   activations broadcast to every lane (`maddubs`);
 //! * several such products add up in 16-bit lanes, exactly, before one `madd` applies the eight
 //!   rows' sub-block scales: fewer multiplies per multiply-add than the row-major kernels, which
-//!   pay a `madd` for every `maddubs`; with AVX-512 VNNI one `vpdpbusd` per step adds four
+//!   pay a `madd` for every `maddubs`; with AVX-512 VNNI or AVX-VNNI one `vpdpbusd` per step adds four
 //!   products straight into 32-bit lanes, and a 32-bit multiply applies the scales (the
 //!   `dp16` family in `qmatmul::avx2` holds both forms);
 //! * each super-block ends with one float multiply-add per activation row for all eight rows,
@@ -18,52 +18,75 @@ use super::{for_each_slice_tile, ActFormat, Isa, QuantKernel, WeightBlock};
 use crate::kernels::parallel::DisjointOut;
 
 /// Dispatches a tile of `sums.len()` activation rows to `$kernel::<T>` (or
-/// `$kernel::<G, T>`) for each listed `T`.
+/// `$kernel::<G, T>`) for each listed `T`, with the instruction set `$isa`.
 macro_rules! dispatch_rows {
-    ($kernel:ident, $w:expr, $acts:expr, $kb:expr, $sums:expr, [$($t:literal),*]) => {
+    ($kernel:ident, $isa:expr, $w:expr, $acts:expr, $kb:expr, $sums:expr, [$($t:literal),*]) => {
         match $sums.len() {
-            $($t => $kernel::<$t>($w, $acts, $kb, $sums),)*
+            $($t => $kernel::<$t>($isa, $w, $acts, $kb, $sums),)*
             n => unreachable!("no tile of {n} rows"),
         }
     };
-    ($kernel:ident<$g:ty>, $w:expr, $acts:expr, $kb:expr, $sums:expr, [$($t:literal),*]) => {
+    ($kernel:ident<$g:ty>, $isa:expr, $w:expr, $acts:expr, $kb:expr, $sums:expr, [$($t:literal),*]) => {
         match $sums.len() {
-            $($t => $kernel::<$g, $t>($w, $acts, $kb, $sums),)*
+            $($t => $kernel::<$g, $t>($isa, $w, $acts, $kb, $sums),)*
             n => unreachable!("no tile of {n} rows"),
         }
     };
 }
 
-/// A format's two SIMD entry points around its `#[inline(always)]` tile body
-/// `$body::<[G,] T, VNNI>`: `tile` for AVX2 (+FMA, F16C) and `tile_vnni` for AVX-512 VNNI.
+/// A format's SIMD tile `tile::<[G,] T>(isa, ..)` around its `#[inline(always)]` body
+/// `$body::<[G,] T, D>` (`D` a [`ByteDot`](crate::kernels::qmatmul::ByteDot)): one entry point
+/// compiled per instruction set, chosen by `isa`.
 macro_rules! simd_tiles {
     ($body:ident, [$($g:ident: $bound:path)?], $block:ty, $act:ty) => {
-        /// `T` activation rows × one group of eight weight rows.
+        /// `T` activation rows × one group of eight weight rows, with `isa`'s instructions.
         ///
         /// # Safety
-        /// The CPU must support AVX2, FMA and F16C; `acts` holds `T · kb` blocks, `w` `kb`.
-        #[target_feature(enable = "avx2,fma,f16c")]
+        /// The CPU must support `isa`, a SIMD one; `acts` holds `T · kb` blocks, `w` `kb`.
+        #[inline(always)]
         pub(super) unsafe fn tile<$($g: $bound,)? const T: usize>(
+            isa: crate::kernels::qmatmul::Isa,
             w: &[$block],
             acts: &[$act],
             kb: usize,
             sums: &mut [[f32; ROWS]],
         ) {
-            $body::<$($g,)? T, false>(w, acts, kb, sums)
+            use crate::kernels::qmatmul::Isa;
+            match isa {
+                Isa::Avx512Vnni => tile_avx512vnni::<$($g,)? T>(w, acts, kb, sums),
+                Isa::AvxVnni => tile_avxvnni::<$($g,)? T>(w, acts, kb, sums),
+                _ => tile_avx2::<$($g,)? T>(w, acts, kb, sums),
+            }
         }
 
-        /// As `tile`, with AVX-512 VNNI's dot products.
-        ///
-        /// # Safety
-        /// As `tile`, and the CPU must support AVX-512 F, BW, VL and VNNI.
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        pub(super) unsafe fn tile_vnni<$($g: $bound,)? const T: usize>(
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn tile_avx2<$($g: $bound,)? const T: usize>(
             w: &[$block],
             acts: &[$act],
             kb: usize,
             sums: &mut [[f32; ROWS]],
         ) {
-            $body::<$($g,)? T, true>(w, acts, kb, sums)
+            $body::<$($g,)? T, crate::kernels::qmatmul::Avx2Dot>(w, acts, kb, sums)
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+        unsafe fn tile_avxvnni<$($g: $bound,)? const T: usize>(
+            w: &[$block],
+            acts: &[$act],
+            kb: usize,
+            sums: &mut [[f32; ROWS]],
+        ) {
+            $body::<$($g,)? T, crate::kernels::qmatmul::AvxVnniDot>(w, acts, kb, sums)
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        unsafe fn tile_avx512vnni<$($g: $bound,)? const T: usize>(
+            w: &[$block],
+            acts: &[$act],
+            kb: usize,
+            sums: &mut [[f32; ROWS]],
+        ) {
+            $body::<$($g,)? T, crate::kernels::qmatmul::Avx512VnniDot>(w, acts, kb, sums)
         }
     };
 }
@@ -93,12 +116,13 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     /// `sums[r][i]` = activation row `r` (`kb` blocks each in `acts`) · weight row `i` of the
     /// group `w` (`kb` blocks), for `sums.len()` rows, 1 to `TILE_ROWS`.
     ///
-    /// With `VNNI`, AVX-512 VNNI's dot products.
+    /// With the instruction set `isa`, a SIMD one.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C, and with `VNNI` AVX-512 F, BW, VL and VNNI.
+    /// The CPU must support `isa`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_simd<const VNNI: bool>(
+    unsafe fn tile_simd(
+        isa: Isa,
         w: &[Self],
         acts: &[Act<Self>],
         kb: usize,
@@ -201,10 +225,8 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
 fn tile<P: Interleaved>(w: &[P], acts: &[Act<P>], kb: usize, sums: &mut [[f32; ROWS]], isa: Isa) {
     // SAFETY: `isa` is one the CPU supports (`Isa::best`, or checked by `matmul_with`).
     #[cfg(target_arch = "x86_64")]
-    match isa {
-        Isa::Avx2 => return unsafe { P::tile_simd::<false>(w, acts, kb, sums) },
-        Isa::Avx512Vnni => return unsafe { P::tile_simd::<true>(w, acts, kb, sums) },
-        Isa::Scalar => {}
+    if isa != Isa::Scalar {
+        return unsafe { P::tile_simd(isa, w, acts, kb, sums) };
     }
     let _ = isa;
     tile_scalar(w, acts, kb, sums);

@@ -75,18 +75,15 @@ impl Interleaved for BlockQ4Kx8 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_simd<const VNNI: bool>(
+    unsafe fn tile_simd(
+        isa: crate::kernels::qmatmul::Isa,
         w: &[Self],
         acts: &[ActBlockK],
         kb: usize,
         sums: &mut [[f32; ROWS]],
     ) {
-        use avx2::{tile, tile_vnni};
-        if VNNI {
-            dispatch_rows!(tile_vnni, w, acts, kb, sums, [4, 3, 2, 1])
-        } else {
-            dispatch_rows!(tile, w, acts, kb, sums, [4, 3, 2, 1])
-        }
+        use avx2::tile;
+        dispatch_rows!(tile, isa, w, acts, kb, sums, [4, 3, 2, 1])
     }
 }
 
@@ -97,13 +94,14 @@ mod avx2 {
     use super::super::{broadcast4, prefetch_line};
     use super::{ActBlockK, BlockQ4Kx8, ROWS};
     use crate::kernels::qmatmul::avx2::{add16, dp16, scaled, scales};
+    use crate::kernels::qmatmul::ByteDot;
 
     simd_tiles!(tile_body, [], BlockQ4Kx8, ActBlockK);
 
     /// The tile: a sub-block's eight products per row and lane add up in [`dp16`]'s lanes
     /// (AVX2: at most 16 · 15 · 127 = 30 480 in 16 bits) before its scales apply.
     #[inline(always)]
-    unsafe fn tile_body<const T: usize, const VNNI: bool>(
+    unsafe fn tile_body<const T: usize, D: ByteDot>(
         w: &[BlockQ4Kx8],
         acts: &[ActBlockK],
         kb: usize,
@@ -117,7 +115,7 @@ mod avx2 {
             let rows: [&ActBlockK; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
             let mut sumi = [_mm256_setzero_si256(); T];
             for j in 0..8 {
-                let scales = scales::<VNNI, false>(block.scales.as_ptr().add(8 * j));
+                let scales = scales::<D, false>(block.scales.as_ptr().add(8 * j));
                 // Eight steps a block, 18 lines.
                 prefetch_line(block, 2 * j);
                 prefetch_line(block, 2 * j + 1);
@@ -140,13 +138,13 @@ mod avx2 {
                     let q = _mm256_and_si256(bits, m4);
                     for r in 0..T {
                         let x = broadcast4(rows[r].qs.as_ptr().add(32 * j + 4 * g) as *const u8);
-                        let k = if VNNI { g % 2 } else { 0 };
-                        part[k][r] = dp16::<VNNI>(part[k][r], q, x);
+                        let k = if D::VNNI { g % 2 } else { 0 };
+                        part[k][r] = dp16::<D>(part[k][r], q, x);
                     }
                 }
                 for r in 0..T {
-                    let part = add16::<VNNI>(part[0][r], part[1][r]);
-                    sumi[r] = _mm256_add_epi32(sumi[r], scaled::<VNNI>(part, scales));
+                    let part = add16::<D>(part[0][r], part[1][r]);
+                    sumi[r] = _mm256_add_epi32(sumi[r], scaled::<D>(part, scales));
                 }
             }
             let d = _mm256_cvtph_ps(_mm_load_si128(block.d.as_ptr() as *const __m128i));

@@ -100,18 +100,15 @@ impl Interleaved for BlockQ6Kx8 {
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_simd<const VNNI: bool>(
+    unsafe fn tile_simd(
+        isa: crate::kernels::qmatmul::Isa,
         w: &[Self],
         acts: &[ActBlockK],
         kb: usize,
         sums: &mut [[f32; ROWS]],
     ) {
-        use avx2::{tile, tile_vnni};
-        if VNNI {
-            dispatch_rows!(tile_vnni, w, acts, kb, sums, [8, 7, 6, 5, 4, 3, 2, 1])
-        } else {
-            dispatch_rows!(tile, w, acts, kb, sums, [8, 7, 6, 5, 4, 3, 2, 1])
-        }
+        use avx2::tile;
+        dispatch_rows!(tile, isa, w, acts, kb, sums, [8, 7, 6, 5, 4, 3, 2, 1])
     }
 }
 
@@ -122,6 +119,7 @@ mod avx2 {
     use super::super::{broadcast4, prefetch_line};
     use super::{q_index, ActBlockK, BlockQ6Kx8, ROWS};
     use crate::kernels::qmatmul::avx2::{dp16, scaled, scales};
+    use crate::kernels::qmatmul::ByteDot;
 
     /// The values of sub-block `4n + k` for group `g` (four values of each row) as bytes.
     #[inline(always)]
@@ -148,7 +146,7 @@ mod avx2 {
     /// in [`dp16`]'s lanes (AVX2: four in each 16-bit half, at most 4 · 63 · 127 = 32 004)
     /// before the scale applies.
     #[inline(always)]
-    unsafe fn tile_body<const T: usize, const VNNI: bool>(
+    unsafe fn tile_body<const T: usize, D: ByteDot>(
         w: &[BlockQ6Kx8],
         acts: &[ActBlockK],
         kb: usize,
@@ -164,7 +162,7 @@ mod avx2 {
                 let (n, k) = (sub / 4, sub % 4);
                 for half in 0..2 {
                     let s = 2 * sub + half;
-                    let scale = scales::<VNNI, true>(block.scales.as_ptr().add(8 * s) as *const u8);
+                    let scale = scales::<D, true>(block.scales.as_ptr().add(8 * s) as *const u8);
                     for pair in 0..2 {
                         // 32 steps a block, 27 lines.
                         prefetch_line(block, (sub * 2 + half) * 2 + pair);
@@ -173,9 +171,9 @@ mod avx2 {
                         let q1 = values(block, n, k, g + 1);
                         for r in 0..T {
                             let x = rows[r].qs.as_ptr().add(32 * sub + 4 * g) as *const u8;
-                            let part = dp16::<VNNI>(_mm256_setzero_si256(), q0, broadcast4(x));
-                            let part = dp16::<VNNI>(part, q1, broadcast4(x.add(4)));
-                            sumi[r] = _mm256_add_epi32(sumi[r], scaled::<VNNI>(part, scale));
+                            let part = dp16::<D>(_mm256_setzero_si256(), q0, broadcast4(x));
+                            let part = dp16::<D>(part, q1, broadcast4(x.add(4)));
+                            sumi[r] = _mm256_add_epi32(sumi[r], scaled::<D>(part, scale));
                         }
                     }
                 }

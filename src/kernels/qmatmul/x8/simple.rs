@@ -13,6 +13,8 @@
 use half::f16;
 
 use super::{Interleaved, ROWS};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::qmatmul::ByteDot;
 use crate::kernels::qmatmul::{
     ActBlock, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, SimpleBlock, WeightBlock, QK,
 };
@@ -53,13 +55,12 @@ pub trait SimpleX8: Copy + Send + Sync + 'static {
         None
     }
     /// `Σ value · qs` for each activation row and weight row (a 32-bit lane per weight row),
-    /// the values with their signed offsets applied; with `VNNI` by AVX-512 VNNI's dot
-    /// products.
+    /// the values with their signed offsets applied, multiplying bytes as `D` does.
     ///
     /// # Safety
-    /// The CPU must support AVX2, and with `VNNI` AVX-512 VNNI and VL.
+    /// The CPU must support AVX2 and `D`'s instructions.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_i32<const T: usize, const VNNI: bool>(
+    unsafe fn dot_i32<const T: usize, D: ByteDot>(
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T];
@@ -78,18 +79,15 @@ impl<S: SimpleX8> Interleaved for S {
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_simd<const VNNI: bool>(
+    unsafe fn tile_simd(
+        isa: crate::kernels::qmatmul::Isa,
         w: &[Self],
         acts: &[ActBlock],
         kb: usize,
         sums: &mut [[f32; ROWS]],
     ) {
-        use avx2::{tile, tile_vnni};
-        if VNNI {
-            dispatch_rows!(tile_vnni<S>, w, acts, kb, sums, [4, 3, 2, 1])
-        } else {
-            dispatch_rows!(tile<S>, w, acts, kb, sums, [4, 3, 2, 1])
-        }
+        use avx2::tile;
+        dispatch_rows!(tile<S>, isa, w, acts, kb, sums, [4, 3, 2, 1])
     }
 }
 
@@ -154,12 +152,12 @@ impl SimpleX8 for BlockQ4_0x8 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot_i32<const T: usize, const VNNI: bool>(
+    unsafe fn dot_i32<const T: usize, D: ByteDot>(
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T] {
         use std::arch::x86_64::*;
-        let sums = avx2::nibble_dots::<T, VNNI>(&self.qs, acts);
+        let sums = avx2::nibble_dots::<T, D>(&self.qs, acts);
         std::array::from_fn(|r| _mm256_sub_epi32(sums[r], _mm256_set1_epi32(8 * acts[r].sum)))
     }
 }
@@ -193,11 +191,11 @@ impl SimpleX8 for BlockQ4_1x8 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot_i32<const T: usize, const VNNI: bool>(
+    unsafe fn dot_i32<const T: usize, D: ByteDot>(
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T] {
-        avx2::nibble_dots::<T, VNNI>(&self.qs, acts)
+        avx2::nibble_dots::<T, D>(&self.qs, acts)
     }
 }
 
@@ -236,7 +234,7 @@ impl SimpleX8 for BlockQ5_0x8 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot_i32<const T: usize, const VNNI: bool>(
+    unsafe fn dot_i32<const T: usize, D: ByteDot>(
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T] {
@@ -271,12 +269,12 @@ impl SimpleX8 for BlockQ5_0x8 {
             );
             for r in 0..T {
                 let x = acts[r].qs.as_ptr() as *const u8;
-                lo[r] = dp16::<VNNI>(lo[r], q_lo, avx2::bcast(x, g));
-                hi[r] = dp16::<VNNI>(hi[r], q_hi, avx2::bcast(x, g + 4));
+                lo[r] = dp16::<D>(lo[r], q_lo, avx2::bcast(x, g));
+                hi[r] = dp16::<D>(hi[r], q_hi, avx2::bcast(x, g + 4));
             }
         }
         std::array::from_fn(|r| {
-            let sum = _mm256_add_epi32(widen::<VNNI>(lo[r]), widen::<VNNI>(hi[r]));
+            let sum = _mm256_add_epi32(widen::<D>(lo[r]), widen::<D>(hi[r]));
             _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * acts[r].sum))
         })
     }
@@ -311,7 +309,7 @@ impl SimpleX8 for BlockQ8_0x8 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot_i32<const T: usize, const VNNI: bool>(
+    unsafe fn dot_i32<const T: usize, D: ByteDot>(
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T] {
@@ -326,8 +324,8 @@ impl SimpleX8 for BlockQ8_0x8 {
             let abs = _mm256_sign_epi8(q, q);
             for r in 0..T {
                 let x = avx2::bcast(acts[r].qs.as_ptr() as *const u8, g);
-                let k = if VNNI { g % 2 } else { 0 };
-                sums[k][r] = dp32::<VNNI>(sums[k][r], abs, _mm256_sign_epi8(x, q));
+                let k = if D::VNNI { g % 2 } else { 0 };
+                sums[k][r] = dp32::<D>(sums[k][r], abs, _mm256_sign_epi8(x, q));
             }
         }
         std::array::from_fn(|r| _mm256_add_epi32(sums[0][r], sums[1][r]))
@@ -339,7 +337,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::super::{broadcast4, prefetch_line};
-    use super::{ActBlock, SimpleX8, ROWS};
+    use super::{ActBlock, ByteDot, SimpleX8, ROWS};
     pub(super) use crate::kernels::qmatmul::avx2::{add16, dp16, dp32, widen};
 
     /// Activations `4g..4g + 4` of a block broadcast to every lane.
@@ -351,25 +349,25 @@ mod avx2 {
     /// `Σ q · x` for the unsigned nibbles of the 4-bit formats: all eight products of a block
     /// in 16-bit lanes, one `madd` per activation row.
     #[inline(always)]
-    pub(super) unsafe fn nibble_dots<const T: usize, const VNNI: bool>(
+    pub(super) unsafe fn nibble_dots<const T: usize, D: ByteDot>(
         qs: &[u8; 128],
         acts: &[&ActBlock; T],
     ) -> [__m256i; T] {
         let m4 = _mm256_set1_epi8(0x0F);
         // As Q4_K's: two sums with VNNI, one with AVX2.
         let mut part = [[_mm256_setzero_si256(); T]; 2];
-        let k = if VNNI { 1 } else { 0 };
+        let k = if D::VNNI { 1 } else { 0 };
         for g in 0..4 {
             let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * g) as *const __m256i);
             let lo = _mm256_and_si256(raw, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
             for r in 0..T {
                 let x = acts[r].qs.as_ptr() as *const u8;
-                part[0][r] = dp16::<VNNI>(part[0][r], lo, bcast(x, g));
-                part[k][r] = dp16::<VNNI>(part[k][r], hi, bcast(x, g + 4));
+                part[0][r] = dp16::<D>(part[0][r], lo, bcast(x, g));
+                part[k][r] = dp16::<D>(part[k][r], hi, bcast(x, g + 4));
             }
         }
-        std::array::from_fn(|r| widen::<VNNI>(add16::<VNNI>(part[0][r], part[1][r])))
+        std::array::from_fn(|r| widen::<D>(add16::<D>(part[0][r], part[1][r])))
     }
 
     simd_tiles!(tile_body, [S: SimpleX8], S, ActBlock);
@@ -377,7 +375,7 @@ mod avx2 {
     /// The tile: each block's integer dot products, then one float multiply-add (two for
     /// the formats with an offset) per activation row for all eight rows.
     #[inline(always)]
-    unsafe fn tile_body<S: SimpleX8, const T: usize, const VNNI: bool>(
+    unsafe fn tile_body<S: SimpleX8, const T: usize, D: ByteDot>(
         w: &[S],
         acts: &[ActBlock],
         kb: usize,
@@ -392,7 +390,7 @@ mod avx2 {
                 prefetch_line(block, line);
             }
             let rows: [&ActBlock; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
-            let dots = block.dot_i32::<T, VNNI>(&rows);
+            let dots = block.dot_i32::<T, D>(&rows);
             let d = _mm256_cvtph_ps(_mm_loadu_si128(block.d().as_ptr() as *const __m128i));
             for r in 0..T {
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(rows[r].d));
