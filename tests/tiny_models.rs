@@ -95,6 +95,49 @@ fn llama_gguf_with_tied_embeddings_matches_reference() {
     check_gguf(spec, &[GgmlDType::Q8_0, GgmlDType::Q4_1]);
 }
 
+/// A tied model's embedding lookup reads the LM head's interleaved rows (the loaded matrix is
+/// dropped), and they are candle's dequantization of the file's `token_embd.weight`, bit for
+/// bit, in every format the interleaved kernels take.
+#[test]
+fn a_tied_embedding_is_looked_up_in_the_lm_heads_own_rows() {
+    use tokenrouter::model::MatmulBackend;
+    let own_kernels = MatmulBackend::from_env() == MatmulBackend::Native;
+    let llama = TinySpec::new(Architecture::Llama);
+    for (spec, dtype) in [
+        (llama.clone(), GgmlDType::Q8_0),
+        (llama.clone(), GgmlDType::Q4_0),
+        (llama.clone(), GgmlDType::Q4_1),
+        (llama.clone(), GgmlDType::Q5_0),
+        (llama.clone().k_quant_sized(), GgmlDType::Q4K),
+        (llama.clone().k_quant_sized(), GgmlDType::Q6K),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        write_gguf(&spec, &path, &[dtype]).unwrap();
+        let lm = LoadedModel::load(&path, &Device::Cpu).unwrap();
+        assert_eq!(lm.model.embeds_from_lm_head(), own_kernels, "{dtype:?}");
+
+        let mut file = std::fs::File::open(&path).unwrap();
+        let ct = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
+        let table = ct
+            .tensor(&mut file, "token_embd.weight", &Device::Cpu)
+            .unwrap()
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let h = spec.hidden_size;
+        let ids: Vec<u32> = (0..spec.vocab_size() as u32).step_by(7).collect();
+        let ours = lm.model.embed(&ids).unwrap();
+        for (row, &id) in ours.chunks_exact(h).zip(&ids) {
+            let id = id as usize;
+            assert_eq!(row, &table[id * h..(id + 1) * h], "{dtype:?} token {id}");
+        }
+    }
+}
+
 #[test]
 fn qwen3_gguf_with_qk_norm_matches_reference() {
     let spec = TinySpec::new(Architecture::Qwen3);

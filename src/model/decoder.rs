@@ -57,9 +57,18 @@ struct DecoderLayer {
     mlp: Mlp,
 }
 
+/// Where the embedding lookup reads its rows.
+enum Embedding {
+    /// The token-embedding matrix as loaded.
+    Weight(Weight),
+    /// The tied LM head's own repacked copy (the loaded matrix is dropped rather than held
+    /// twice: 28 MB for SmolLM2's Q8_0 vocabulary).
+    Head,
+}
+
 pub struct Model {
     config: ModelConfig,
-    embed: Weight,
+    embed: Embedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Linear,
@@ -173,7 +182,8 @@ impl Model {
             config.hidden_size,
             config.rms_norm_eps,
         )?;
-        let lm_head = if config.tied_embeddings || !counting.contains("output.weight") {
+        let tied = config.tied_embeddings || !counting.contains("output.weight");
+        let lm_head = if tied {
             counting.bytes += embed.storage_bytes();
             Linear::new(embed.matmul(backend)?, None)?
         } else {
@@ -186,6 +196,15 @@ impl Model {
             )?
         };
         let streamed_bytes = counting.bytes;
+        // A tied head with rows of its own serves the lookup too; the loaded copy is dropped.
+        let head_has_rows = lm_head
+            .own_kernel()
+            .is_some_and(|k| k.dequantize_row(0, &mut vec![0f32; k.in_features()]));
+        let embed = if tied && head_has_rows {
+            Embedding::Head
+        } else {
+            Embedding::Weight(embed)
+        };
         let inv_freq = inverse_frequencies(config.head_dim, config.rope_theta);
         Ok(Self {
             config,
@@ -213,14 +232,37 @@ impl Model {
         self.streamed_bytes
     }
 
+    /// Whether the embedding lookup reads the tied LM head's rows (the loaded embedding
+    /// matrix was dropped).
+    pub fn embeds_from_lm_head(&self) -> bool {
+        matches!(self.embed, Embedding::Head)
+    }
+
     /// Input embeddings of `tokens`, `[tokens, hidden]` row-major.
     pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        let ids = Tensor::from_slice(tokens, tokens.len(), &self.device)?;
-        let rows = self.embed.rows(&ids)?.to_dtype(DType::F32)?;
-        Ok(rows.flatten_all()?.to_vec1::<f32>()?)
+        let head = match &self.embed {
+            Embedding::Weight(w) => {
+                let ids = Tensor::from_slice(tokens, tokens.len(), &self.device)?;
+                let rows = w.rows(&ids)?.to_dtype(DType::F32)?;
+                return Ok(rows.flatten_all()?.to_vec1::<f32>()?);
+            }
+            Embedding::Head => self.lm_head.own_kernel().expect("checked at load"),
+        };
+        let hidden = self.config.hidden_size;
+        let mut out = vec![0f32; tokens.len() * hidden];
+        for (&id, row) in tokens.iter().zip(out.chunks_exact_mut(hidden)) {
+            if id as usize >= head.out_features() {
+                return Err(ModelError::TokenOutOfRange {
+                    id,
+                    vocab: head.out_features(),
+                });
+            }
+            head.dequantize_row(id as usize, row);
+        }
+        Ok(out)
     }
 
     /// Runs every sequence's new tokens and returns their last-position logits.

@@ -146,6 +146,8 @@ pub trait OwnKernel: Send + Sync {
     fn out_features(&self) -> usize;
     fn in_features(&self) -> usize;
     fn matmul(&self, x: &[f32], out: &mut [f32]);
+    /// Row `row` dequantized into `out` (`in_features` values), where the layout supports it.
+    fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool;
 }
 
 impl<K: QuantKernel> OwnKernel for K {
@@ -157,6 +159,9 @@ impl<K: QuantKernel> OwnKernel for K {
     }
     fn matmul(&self, x: &[f32], out: &mut [f32]) {
         QuantKernel::matmul(self, x, out)
+    }
+    fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool {
+        QuantKernel::dequantize_row(self, row, out)
     }
 }
 
@@ -233,6 +238,14 @@ impl Matmul {
     /// `x Wᵀ` for the `rows` rows of `x` (row-major), as a row-major `[rows, out]` vector:
     /// our kernels multiply the slice in place; candle's get it as a tensor on the weight's
     /// device.
+    /// Our kernel, when it is one (not candle's).
+    pub fn own_kernel(&self) -> Option<&dyn OwnKernel> {
+        match self {
+            Self::Own(kernel) => Some(kernel.as_ref()),
+            Self::Candle(_) => None,
+        }
+    }
+
     pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         match self {
             Self::Own(kernel) => {
@@ -287,6 +300,11 @@ impl Linear {
             .map(|b| b.to_dtype(DType::F32)?.to_vec1())
             .transpose()?;
         Ok(Self { weight, bias })
+    }
+
+    /// Our kernel, when the weight has one.
+    pub fn own_kernel(&self) -> Option<&dyn OwnKernel> {
+        self.weight.own_kernel()
     }
 
     /// `x Wᵀ (+ b)` for the `rows` rows of `x` (row-major), as a row-major vector.

@@ -305,6 +305,12 @@ pub trait QuantKernel: Send + Sync {
     fn cols(&self) -> usize;
     /// Bytes of weights (what one pass over the matrix reads).
     fn storage_bytes(&self) -> usize;
+    /// Writes row `row`'s `cols` values, dequantized as ggml does, to `out`, where the layout
+    /// supports it (the interleaved one); `false` otherwise.
+    fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool {
+        let _ = (row, out);
+        false
+    }
     /// The product for `m` rows of activations already quantized (`cols / Act::LEN` blocks
     /// each), with an instruction set the CPU has.
     fn matmul_quantized(&self, acts: &[Self::Act], m: usize, out: &mut [f32], isa: Isa);

@@ -36,6 +36,21 @@ fn random_blocks<B: WeightBlock>(n: usize, rng: &mut impl Rng) -> Vec<u8> {
     bytes
 }
 
+/// A `[rows, cols]` matrix of `B` blocks dequantized by candle, row-major.
+fn dequantized<B: WeightBlock>(bytes: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    let (_, dtype) = layout::<B>();
+    let storage = QStorage::from_data(std::borrow::Cow::Borrowed(bytes), &Device::Cpu, dtype)
+        .expect("candle storage");
+    QTensor::new(storage, (rows, cols))
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
 /// `x_q · W_deqᵀ` in f64 with the weights dequantized by candle and the activations as
 /// quantized (`d · q`); also the sum of absolute terms, for the tolerance. Q4_1's offset
 /// multiplies the f16-rounded activation sum (ggml's q8_1), so that term is corrected here
@@ -47,17 +62,7 @@ fn reference<B: WeightBlock>(
     acts: &[B::Act],
     batch: usize,
 ) -> (Vec<f64>, Vec<f64>) {
-    let (_, dtype) = layout::<B>();
-    let storage = QStorage::from_data(std::borrow::Cow::Borrowed(bytes), &Device::Cpu, dtype)
-        .expect("candle storage");
-    let w = QTensor::new(storage, (rows, cols))
-        .unwrap()
-        .dequantize(&Device::Cpu)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let w = dequantized::<B>(bytes, rows, cols);
     let kb = cols / B::Act::LEN;
     let mut out = vec![0f64; batch * rows];
     let mut mag = vec![0f64; batch * rows];
@@ -261,6 +266,17 @@ fn check_packed<P: Interleaved>() {
         let mut acts = vec![Act::<P>::ZERO; batch * blocks];
         for (row, a) in x.chunks_exact(cols).zip(acts.chunks_exact_mut(blocks)) {
             quantize_row(row, a);
+        }
+        // Rows read back from the interleaved copy (the tied embedding's lookup) are
+        // candle's dequantization of the ggml rows, bit for bit.
+        let dense = dequantized::<P::Source>(&bytes, rows, cols);
+        let mut row = vec![f32::NAN; cols];
+        for (r, want) in dense.chunks_exact(cols).enumerate() {
+            assert!(m.dequantize_row(r, &mut row));
+            assert_eq!(
+                row, want,
+                "packed {name} {rows}x{cols}: row {r} dequantized"
+            );
         }
         let (want, mag) = reference::<P::Source>(&bytes, rows, cols, &acts, batch);
         for isa in Isa::available() {

@@ -113,6 +113,9 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     fn pack(rows: [&Self::Source; ROWS]) -> Self;
     /// The eight rows' dot products with one activation block: the portable path.
     fn dot(&self, a: &Act<Self>) -> [f32; ROWS];
+    /// Row `i`'s values, dequantized as ggml does (for an embedding lookup from a tied LM
+    /// head); `out` holds one block's values.
+    fn dequantize(&self, i: usize, out: &mut [f32]);
     /// `sums[r][i]` = activation row `r` (`kb` blocks each in `acts`) · weight row `i` of the
     /// group `w` (`kb` blocks), for `sums.len()` rows, 1 to `TILE_ROWS`.
     ///
@@ -196,6 +199,19 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
 
     fn storage_bytes(&self) -> usize {
         std::mem::size_of_val(self.blocks.as_slice())
+    }
+
+    fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool {
+        assert!(
+            row < self.rows && out.len() == self.cols,
+            "row {row} out of range"
+        );
+        let kb = self.cols / block_len::<P>();
+        let group = &self.blocks[row / ROWS * kb..(row / ROWS + 1) * kb];
+        for (block, values) in group.iter().zip(out.chunks_exact_mut(block_len::<P>())) {
+            block.dequantize(row % ROWS, values);
+        }
+        true
     }
 
     fn matmul_quantized(&self, acts: &[Act<P>], m: usize, out: &mut [f32], isa: Isa) {

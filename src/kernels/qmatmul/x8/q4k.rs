@@ -53,6 +53,21 @@ impl Interleaved for BlockQ4Kx8 {
         out
     }
 
+    fn dequantize(&self, i: usize, out: &mut [f32]) {
+        let (d, dmin) = (self.d[i].to_f32(), self.dmin[i].to_f32());
+        for j in 0..8 {
+            let (p, shift) = (j / 2, 4 * (j % 2));
+            let scale = d * self.scales[8 * j + i] as f32;
+            let min = dmin * self.mins[16 * p + 2 * i + j % 2] as f32;
+            for g in 0..8 {
+                for k in 0..4 {
+                    let q = (self.qs[((p * 8 + g) * ROWS + i) * 4 + k] >> shift) & 0x0F;
+                    out[32 * j + 4 * g + k] = scale * q as f32 - min;
+                }
+            }
+        }
+    }
+
     fn dot(&self, a: &ActBlockK) -> [f32; ROWS] {
         let mut out = [0f32; ROWS];
         for (i, o) in out.iter_mut().enumerate() {

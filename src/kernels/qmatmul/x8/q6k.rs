@@ -83,6 +83,16 @@ impl Interleaved for BlockQ6Kx8 {
         out
     }
 
+    fn dequantize(&self, i: usize, out: &mut [f32]) {
+        let d = self.d[i].to_f32();
+        for sub in 0..8 {
+            for l in 0..32 {
+                let scale = self.scales[8 * (2 * sub + l / 16) + i] as f32;
+                out[32 * sub + l] = d * scale * (self.value(i, sub, l) - 32) as f32;
+            }
+        }
+    }
+
     fn dot(&self, a: &ActBlockK) -> [f32; ROWS] {
         let mut out = [0f32; ROWS];
         for (i, o) in out.iter_mut().enumerate() {

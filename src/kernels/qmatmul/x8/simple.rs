@@ -78,6 +78,19 @@ impl<S: SimpleX8> Interleaved for S {
         std::array::from_fn(|i| self.row(i).dot(a))
     }
 
+    fn dequantize(&self, i: usize, out: &mut [f32]) {
+        let block = self.row(i);
+        let d = f16::from_bits(block.d_bits()).to_f32();
+        let m = f16::from_bits(block.m_bits()).to_f32();
+        for (o, v) in out.iter_mut().zip(block.values()) {
+            *o = if S::Source::UNSIGNED {
+                v as f32 * d + m
+            } else {
+                v as f32 * d
+            };
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     unsafe fn tile_simd(
         isa: crate::kernels::qmatmul::Isa,
