@@ -20,7 +20,9 @@ fn rules(pair: &Pair) -> [(Rule, String); 2] {
         hl.extend(greedy_entropies(&pair.models[1].model, p, 12));
     }
     let threshold = quantile(&hs, 0.6);
-    let (high, low) = (quantile(&hs, 0.7), quantile(&hl, 0.5));
+    // `low` at most the SLM's median too, so `low <= high` whatever the random weights.
+    let high = quantile(&hs, 0.7);
+    let low = quantile(&hl, 0.5).min(quantile(&hs, 0.5));
     [
         (
             Rule::Entropy { threshold },
