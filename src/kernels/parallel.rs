@@ -250,15 +250,22 @@ pub fn current_threads() -> usize {
 
 /// A raw output pointer that parallel tasks write through, each to elements no other task
 /// touches.
-#[derive(Clone, Copy)]
-pub struct DisjointOut(*mut f32);
+pub struct DisjointOut<T = f32>(*mut T);
+
+impl<T> Clone for DisjointOut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for DisjointOut<T> {}
 
 // SAFETY: every user writes disjoint elements, and the pointer outlives the parallel call.
-unsafe impl Send for DisjointOut {}
-unsafe impl Sync for DisjointOut {}
+unsafe impl<T: Send> Send for DisjointOut<T> {}
+unsafe impl<T: Send> Sync for DisjointOut<T> {}
 
-impl DisjointOut {
-    pub fn new(out: &mut [f32]) -> Self {
+impl<T> DisjointOut<T> {
+    pub fn new(out: &mut [T]) -> Self {
         Self(out.as_mut_ptr())
     }
 
@@ -267,7 +274,7 @@ impl DisjointOut {
     /// # Safety
     /// The range must lie inside the original slice, be accessed by this task only, and not
     /// be used after the slice the pointer came from.
-    pub unsafe fn slice<'a>(self, offset: usize, len: usize) -> &'a mut [f32] {
+    pub unsafe fn slice<'a>(self, offset: usize, len: usize) -> &'a mut [T] {
         std::slice::from_raw_parts_mut(self.0.add(offset), len)
     }
 }

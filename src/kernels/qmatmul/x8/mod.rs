@@ -15,7 +15,7 @@
 //! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`).
 
 use super::{for_each_slice_tile, ActFormat, Isa, QuantKernel, WeightBlock};
-use crate::kernels::parallel::DisjointOut;
+use crate::kernels::parallel::{for_each_range, DisjointOut};
 
 /// Dispatches a tile of `sums.len()` activation rows to `$kernel::<T>` (or
 /// `$kernel::<G, T>`) for each listed `T`, with the instruction set `$isa`.
@@ -175,13 +175,25 @@ impl<P: Interleaved> PackedMatrix<P> {
             // and `read_unaligned` needs no alignment.
             unsafe { std::ptr::read_unaligned(bytes[at..at + size].as_ptr() as *const P::Source) }
         };
-        let mut blocks = Vec::with_capacity(rows / ROWS * kb);
-        for group in 0..rows / ROWS {
-            for b in 0..kb {
-                let src: [P::Source; ROWS] = std::array::from_fn(|i| block(group * ROWS + i, b));
-                blocks.push(P::pack(std::array::from_fn(|i| &src[i])));
+        // Groups repack independently, on the calling thread's pool (a load is otherwise
+        // one thread's work).
+        let n = rows / ROWS * kb;
+        let mut blocks: Vec<P> = Vec::with_capacity(n);
+        let out = DisjointOut::new(&mut blocks.spare_capacity_mut()[..n]);
+        for_each_range(rows / ROWS, |groups| {
+            for group in groups {
+                // SAFETY: group `group`'s `kb` blocks lie inside the `n` reserved ones and are
+                // this task's alone.
+                let dst = unsafe { out.slice(group * kb, kb) };
+                for (b, d) in dst.iter_mut().enumerate() {
+                    let src: [P::Source; ROWS] =
+                        std::array::from_fn(|i| block(group * ROWS + i, b));
+                    d.write(P::pack(std::array::from_fn(|i| &src[i])));
+                }
             }
-        }
+        });
+        // SAFETY: the groups cover all `n` blocks, each written above.
+        unsafe { blocks.set_len(n) };
         Some(Self { rows, cols, blocks })
     }
 }
