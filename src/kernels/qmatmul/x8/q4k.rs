@@ -45,9 +45,10 @@ impl Interleaved for BlockQ4Kx8 {
             }
             out.d[i] = block.d;
             out.dmin[i] = block.dmin;
-            for (at, &byte) in block.qs.iter().enumerate() {
-                let (p, g, k) = (at / 32, at % 32 / 4, at % 4);
-                out.qs[((p * 8 + g) * ROWS + i) * 4 + k] = byte;
+            // Bytes `32p + 4g..+4` (chunk `c = 8p + g`) as one piece.
+            for (c, bytes) in block.qs.chunks_exact(4).enumerate() {
+                let at = (c * ROWS + i) * 4;
+                out.qs[at..at + 4].copy_from_slice(bytes);
             }
         }
         out
