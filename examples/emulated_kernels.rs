@@ -7,7 +7,8 @@
 //! `emu_run` must not make system calls: it runs on one thread (a one-thread pool, installed
 //! for the call) over buffers and a scratch area that [`emu_prepare`] already sized natively.
 //!
-//! Built by `cargo test` (and `cargo build --example emulated_kernels`).
+//! Built by `cargo test` (and `cargo build --example emulated_kernels`); x86-64 Linux only.
+#![cfg(all(target_arch = "x86_64", target_os = "linux"))]
 
 use std::sync::Arc;
 
@@ -38,7 +39,9 @@ pub struct Case {
 
 /// A kernel with its activations, behind one object type for every format.
 trait Erased {
-    fn run(&self, isa: Isa, m: usize, out: &mut [f32]);
+    /// # Safety
+    /// The CPU running it (emulated or not) supports `isa`; `out` holds `m` rows.
+    unsafe fn run(&self, isa: Isa, m: usize, out: &mut [f32]);
 }
 
 struct WithActs<K: QuantKernel> {
@@ -47,7 +50,7 @@ struct WithActs<K: QuantKernel> {
 }
 
 impl<K: QuantKernel> Erased for WithActs<K> {
-    fn run(&self, isa: Isa, m: usize, out: &mut [f32]) {
+    unsafe fn run(&self, isa: Isa, m: usize, out: &mut [f32]) {
         self.kernel.matmul_quantized(&self.acts, m, out, isa)
     }
 }
@@ -139,14 +142,18 @@ fn build<B: WeightBlock, P: Interleaved<Source = B>>(
         Box::new(WithActs { kernel, acts })
     };
     let mut want = vec![0f32; m * rows];
-    kernel.run(Isa::Scalar, m, &mut want);
+    // SAFETY: every CPU runs the portable path; `want` holds `m` rows.
+    unsafe { kernel.run(Isa::Scalar, m, &mut want) };
     (kernel, want, cols)
 }
 
-/// The run under test: the case's instruction set on one thread. Makes no system call.
+/// The run under test: the case's instruction set on one thread. Makes no system call. (A run
+/// that faults in the emulator never returns, so `with_pool` leaves the one-thread pool
+/// installed on this thread: later native preparation then runs on one thread, harmlessly.)
 ///
 /// # Safety
-/// `case` comes from [`emu_prepare`] and is not freed.
+/// `case` comes from [`emu_prepare`] and is not freed; the CPU running this (the emulated one,
+/// or the native one in [`emu_run_native`]) supports the case's instruction set.
 #[no_mangle]
 pub unsafe extern "C" fn emu_run(case: *mut Case) {
     let case = &mut *case;
@@ -192,12 +199,16 @@ pub unsafe extern "C" fn emu_check(case: *const Case, msg: *mut u8, len: usize) 
         .fold(0f32, f32::max);
     let ok = worst <= 1e-5 * scale;
     let line = format!(
-        "{}: {} (largest difference {worst:e}, largest value {scale:e})\0",
+        "{}: {} (largest difference {worst:e}, largest value {scale:e})",
         case.name,
         if ok { "ok" } else { "MISMATCH" }
     );
-    let bytes = &line.as_bytes()[..line.len().min(len)];
+    // At most `len - 1` bytes and the terminating NUL.
+    let bytes = &line.as_bytes()[..line.len().min(len.saturating_sub(1))];
     std::ptr::copy_nonoverlapping(bytes.as_ptr(), msg, bytes.len());
+    if len > 0 {
+        *msg.add(bytes.len()) = 0;
+    }
     ok
 }
 

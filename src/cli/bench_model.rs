@@ -76,7 +76,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             bytes / 1e6,
             bandwidth / 1e9,
             bandwidth / bytes,
-            tokenrouter::kernels::qmatmul::Isa::best().name()
+            tokenrouter::model::MatmulBackend::from_env().kernels()
         );
         println!(
             "(the bandwidth drifts on a shared machine: each row's roofline is the mean of the read rates just before and just after it)"
@@ -114,7 +114,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "prefill_tok_s": row.prefill_tok_s,
                 "decode_tok_s": row.decode_tok_s,
                 "roofline_tok_s": roofline,
-                "kernels": tokenrouter::kernels::qmatmul::Isa::best().name(),
+                "kernels": tokenrouter::model::MatmulBackend::from_env().kernels(),
             });
             if let Some(b) = &base {
                 obj["candle_prefill_tok_s"] = b.prefill_tok_s.into();

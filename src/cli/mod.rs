@@ -60,7 +60,7 @@ impl Cli {
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     // A bad instruction-set override is a start-up error, not a warning deep in a kernel.
-    tokenrouter::kernels::qmatmul::Isa::from_env().map_err(anyhow::Error::msg)?;
+    tokenrouter::kernels::qmatmul::Isa::from_env()?;
     match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Gateway(args) => gateway::run(args),

@@ -62,7 +62,7 @@ enum Embedding {
     /// The token-embedding matrix as loaded.
     Weight(Weight),
     /// The tied LM head's own repacked copy (the loaded matrix is dropped rather than held
-    /// twice: 28 MB for SmolLM2's Q8_0 vocabulary).
+    /// twice: 30 MB for SmolLM2's Q8_0 vocabulary).
     Head,
 }
 

@@ -47,6 +47,14 @@ impl MatmulBackend {
             Self::Native
         }
     }
+
+    /// The quantized kernels that run: `candle`, or our instruction set's name.
+    pub fn kernels(self) -> &'static str {
+        match self {
+            Self::Candle => "candle",
+            Self::Native => crate::kernels::qmatmul::Isa::best().name(),
+        }
+    }
 }
 
 /// A matrix as loaded: quantized blocks or a dense `f32` tensor.
@@ -235,9 +243,6 @@ fn own_kernel(q: &Arc<QTensor>, backend: MatmulBackend) -> Result<Option<Matmul>
 }
 
 impl Matmul {
-    /// `x Wᵀ` for the `rows` rows of `x` (row-major), as a row-major `[rows, out]` vector:
-    /// our kernels multiply the slice in place; candle's get it as a tensor on the weight's
-    /// device.
     /// Our kernel, when it is one (not candle's).
     pub fn own_kernel(&self) -> Option<&dyn OwnKernel> {
         match self {
@@ -246,6 +251,9 @@ impl Matmul {
         }
     }
 
+    /// `x Wᵀ` for the `rows` rows of `x` (row-major), as a row-major `[rows, out]` vector:
+    /// our kernels multiply the slice in place; candle's get it as a tensor on the weight's
+    /// device.
     pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         match self {
             Self::Own(kernel) => {

@@ -4,9 +4,10 @@ AVX-VNNI) are checked against the portable path.
 
 usage: emulated_isa.py LIBRARY CPU
   LIBRARY  the `emulated_kernels` example, a shared library
-  CPU      `sapphire_rapids` (AVX-512 VNNI and AVX-VNNI: every path must match) or
-           `arrow_lake` (AVX-VNNI, no AVX-512: the AVX-512 paths must fault on their first
-           AVX-512 instruction, which shows the emulator enforces the instruction set)
+  CPU      `sapphire_rapids` (AVX-512 VNNI and AVX-VNNI: every path must match),
+           `arrow_lake` (AVX-VNNI, no AVX-512) or `tigerlake` (AVX-512 VNNI, no AVX-VNNI): a
+           path whose instructions the model lacks must fault on the first of them, which
+           shows the emulator enforces the instruction set and the path really uses them
 
 The emulated CPU runs in 64-bit mode over this process's own memory: every 1 GiB region the
 process has mapped is one large page, numbered compactly in guest-physical space (the model's
@@ -64,7 +65,10 @@ GIB = 1 << 30
 PAGE = 4096
 # Indices of Bochs' CPU models in bochscpu's `cpu.model` list (their features are checked
 # below through CPUID, so a different list fails loudly).
-CPU_MODELS = {"sapphire_rapids": 30, "arrow_lake": 31}
+CPU_MODELS = {"tigerlake": 29, "sapphire_rapids": 30, "arrow_lake": 31}
+# What each model must report: AVX-512 (F, BW, VL, VNNI) and AVX-VNNI.
+MODEL_HAS = {"tigerlake": (True, False), "sapphire_rapids": (True, True),
+             "arrow_lake": (False, True)}
 INVALID_OPCODE = 6
 
 libc = ctypes.CDLL(None)
@@ -245,8 +249,9 @@ def main():
     features = {"avx2": ebx >> 5 & 1, "avx512f": ebx >> 16 & 1, "avx512bw": ebx >> 30 & 1,
                 "avx512vl": ebx >> 31 & 1, "avx512vnni": ecx >> 11 & 1,
                 "avxvnni": emu.eax_cpuid(7, 1) >> 4 & 1}
-    avx512 = model == "sapphire_rapids"
-    want = {name: 1 if name.startswith("avx512") == avx512 or not name.startswith("avx512") else 0
+    avx512, avxvnni = MODEL_HAS[model]
+    want = {name: int(avx512 if name.startswith("avx512") else avxvnni if name == "avxvnni"
+                      else True)
             for name in features}
     if features != want:
         sys.exit(f"the emulated {model} has {features}, expected {want}: wrong `cpu.model` index?")
@@ -257,7 +262,7 @@ def main():
     failures = 0
     for i in range(lib.emu_cases()):
         case = lib.emu_prepare(i)
-        needs_avx512 = lib.emu_isa(i) == 2
+        lacking = (lib.emu_isa(i) == 1 and not avxvnni) or (lib.emu_isa(i) == 2 and not avx512)
         try:
             try:
                 emu.call(run, case)
@@ -266,9 +271,10 @@ def main():
                 faulted = f
             ok = lib.emu_check(case, msg, len(msg))
             line = msg.value.decode()
-            if needs_avx512 and not avx512:
+            if lacking:
                 # Every path built on `vpdpbusd` must stop at it; the row-major K-quant kernels
-                # have no VNNI step of their own (the compiler may still pick EVEX forms).
+                # have no VNNI step of their own (the compiler may still pick other forms the
+                # model lacks).
                 name = line.split(":")[0]
                 undefined = faulted is not None and faulted.vector == INVALID_OPCODE
                 optional = "row-major" in name and ("Q4_K" in name or "Q6_K" in name)

@@ -224,7 +224,7 @@ fn compute_pools(config: &Config, models: &[Arc<LoadedModel>]) -> Vec<Arc<Comput
         .iter()
         .zip(budget)
         .map(|(m, threads)| {
-            let kernels = crate::kernels::qmatmul::Isa::best().name();
+            let kernels = crate::model::MatmulBackend::from_env().kernels();
             tracing::info!(model = %m.name, threads, cores, kernels, "compute threads");
             ComputePool::new(threads, &m.name)
         })

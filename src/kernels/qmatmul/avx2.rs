@@ -1,5 +1,7 @@
-//! The AVX2 (+FMA, F16C) path of the quantized matmul: ggml blocks unpacked in registers,
-//! `C` weight rows × `T` activation rows of independent accumulators per call.
+//! The SIMD paths of the quantized matmul: ggml blocks unpacked in registers, `C` weight rows ×
+//! `T` activation rows of independent accumulators per call, compiled once per [`ByteDot`]
+//! (AVX2, AVX-VNNI, AVX-512 VNNI); and the byte dot-product helpers the interleaved kernels
+//! share.
 
 use std::arch::x86_64::*;
 

@@ -16,7 +16,8 @@
 //!   columns a slice at a time, passing every row tile over one slice while it sits in L2, so
 //!   a batch reads every weight byte from memory once.
 //! * Runtime dispatch ([`Isa`]): AVX2+FMA+F16C, with AVX-512 VNNI's or AVX-VNNI's integer dot
-//!   products (`vpdpbusd` on 256-bit registers, for both layouts; see [`ByteDot`]) where
+//!   products (`vpdpbusd` on 256-bit registers; see [`ByteDot`]: every interleaved format and
+//!   the row-major 32-value ones, the row-major K-quants keep their AVX2 arithmetic) where
 //!   present, else a portable scalar path with the same block arithmetic.
 //!   `tests/emulated_isa.rs` runs the VNNI paths on emulated CPUs.
 //! * No allocation per call beyond a thread-local scratch buffer that grows to the largest
@@ -259,7 +260,7 @@ impl<B: WeightBlock> QuantKernel for QuantMatrix<B> {
         (*self.data).as_ref().len()
     }
 
-    fn matmul_quantized(&self, acts: &[B::Act], m: usize, out: &mut [f32], isa: Isa) {
+    unsafe fn matmul_quantized(&self, acts: &[B::Act], m: usize, out: &mut [f32], isa: Isa) {
         let kb = self.cols / Self::BLOCK;
         let n = self.rows;
         let blocks = self.blocks();
@@ -312,8 +313,12 @@ pub trait QuantKernel: Send + Sync {
         false
     }
     /// The product for `m` rows of activations already quantized (`cols / Act::LEN` blocks
-    /// each), with an instruction set the CPU has.
-    fn matmul_quantized(&self, acts: &[Self::Act], m: usize, out: &mut [f32], isa: Isa);
+    /// each).
+    ///
+    /// # Safety
+    /// The CPU must support `isa`; `acts` holds `m · cols / Act::LEN` blocks and `out`
+    /// `m · rows` values (the kernels write through raw pointers).
+    unsafe fn matmul_quantized(&self, acts: &[Self::Act], m: usize, out: &mut [f32], isa: Isa);
 
     /// With the best instruction set this CPU has.
     fn matmul(&self, x: &[f32], out: &mut [f32]) {
@@ -342,7 +347,9 @@ fn run<K: QuantKernel + ?Sized>(kernel: &K, isa: Isa, x: &[f32], out: &mut [f32]
         for (row, a) in x.chunks_exact(cols).zip(acts.chunks_exact_mut(kb)) {
             quantize_row(row, a);
         }
-        kernel.matmul_quantized(acts, m, out, isa)
+        // SAFETY: `isa` is available (`Isa::best`, or checked by `matmul_with`), and the
+        // lengths are asserted above.
+        unsafe { kernel.matmul_quantized(acts, m, out, isa) }
     });
 }
 
@@ -424,6 +431,15 @@ pub enum Isa {
 /// Environment variable that chooses the instruction set instead of the fastest one.
 pub const ISA_ENV: &str = "TOKENROUTER_ISA";
 
+/// A `TOKENROUTER_ISA` value the kernels cannot use.
+#[derive(Debug, thiserror::Error)]
+pub enum IsaError {
+    #[error("{ISA_ENV}={value:?} is not one of scalar, avx2, avx-vnni, avx512-vnni")]
+    Unknown { value: String },
+    #[error("{ISA_ENV}={value:?}: this CPU lacks it (it has {available})")]
+    Unavailable { value: String, available: String },
+}
+
 impl Isa {
     /// Every instruction set, slowest first.
     pub const ALL: [Isa; 4] = [Self::Scalar, Self::Avx2, Self::AvxVnni, Self::Avx512Vnni];
@@ -460,24 +476,22 @@ impl Isa {
 
     /// The instruction set `TOKENROUTER_ISA` names, if it is set; an error names a value that
     /// is unknown or that this CPU lacks.
-    pub fn from_env() -> Result<Option<Self>, String> {
+    pub fn from_env() -> Result<Option<Self>, IsaError> {
         let Ok(value) = std::env::var(ISA_ENV) else {
             return Ok(None);
         };
-        let names = Self::ALL.map(Self::name).join(", ");
-        let isa = Self::ALL
-            .into_iter()
-            .find(|isa| isa.name() == value.trim())
-            .ok_or_else(|| format!("{ISA_ENV}={value:?} is not one of {names}"))?;
+        let Some(isa) = Self::ALL.into_iter().find(|isa| isa.name() == value.trim()) else {
+            return Err(IsaError::Unknown { value });
+        };
         if !isa.is_available() {
             let here = Self::available()
                 .into_iter()
                 .map(Self::name)
                 .collect::<Vec<_>>();
-            return Err(format!(
-                "{ISA_ENV}={value:?}: this CPU lacks it (it has {})",
-                here.join(", ")
-            ));
+            return Err(IsaError::Unavailable {
+                value,
+                available: here.join(", "),
+            });
         }
         Ok(Some(isa))
     }

@@ -5,9 +5,9 @@
 //!   activations broadcast to every lane (`maddubs`);
 //! * several such products add up in 16-bit lanes, exactly, before one `madd` applies the eight
 //!   rows' sub-block scales: fewer multiplies per multiply-add than the row-major kernels, which
-//!   pay a `madd` for every `maddubs`; with AVX-512 VNNI or AVX-VNNI one `vpdpbusd` per step adds four
-//!   products straight into 32-bit lanes, and a 32-bit multiply applies the scales (the
-//!   `dp16` family in `qmatmul::avx2` holds both forms);
+//!   pay a `madd` for every `maddubs`; with AVX-512 VNNI or AVX-VNNI one `vpdpbusd` per step
+//!   adds four products straight into 32-bit lanes, and a 32-bit multiply applies the scales
+//!   (the `dp16` family in `qmatmul::avx2` holds both forms; the counts below are AVX2's);
 //! * each super-block ends with one float multiply-add per activation row for all eight rows,
 //!   and there is no horizontal sum anywhere.
 //!
@@ -26,7 +26,10 @@ macro_rules! dispatch_rows {
             n => unreachable!("no tile of {n} rows"),
         }
     };
-    ($kernel:ident<$g:ty>, $isa:expr, $w:expr, $acts:expr, $kb:expr, $sums:expr, [$($t:literal),*]) => {
+    (
+        $kernel:ident<$g:ty>, $isa:expr, $w:expr, $acts:expr, $kb:expr, $sums:expr,
+        [$($t:literal),*]
+    ) => {
         match $sums.len() {
             $($t => $kernel::<$g, $t>($isa, $w, $acts, $kb, $sums),)*
             n => unreachable!("no tile of {n} rows"),
@@ -55,7 +58,8 @@ macro_rules! simd_tiles {
             match isa {
                 Isa::Avx512Vnni => tile_avx512vnni::<$($g,)? T>(w, acts, kb, sums),
                 Isa::AvxVnni => tile_avxvnni::<$($g,)? T>(w, acts, kb, sums),
-                _ => tile_avx2::<$($g,)? T>(w, acts, kb, sums),
+                Isa::Avx2 => tile_avx2::<$($g,)? T>(w, acts, kb, sums),
+                Isa::Scalar => unreachable!("the portable path has no SIMD tile"),
             }
         }
 
@@ -214,10 +218,8 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
     }
 
     fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool {
-        assert!(
-            row < self.rows && out.len() == self.cols,
-            "row {row} out of range"
-        );
+        assert!(row < self.rows, "row {row} of {}", self.rows);
+        assert_eq!(out.len(), self.cols, "a row holds {} values", self.cols);
         let kb = self.cols / block_len::<P>();
         let group = &self.blocks[row / ROWS * kb..(row / ROWS + 1) * kb];
         for (block, values) in group.iter().zip(out.chunks_exact_mut(block_len::<P>())) {
@@ -226,7 +228,7 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
         true
     }
 
-    fn matmul_quantized(&self, acts: &[Act<P>], m: usize, out: &mut [f32], isa: Isa) {
+    unsafe fn matmul_quantized(&self, acts: &[Act<P>], m: usize, out: &mut [f32], isa: Isa) {
         let kb = self.cols / block_len::<P>();
         let n = self.rows;
         let out = DisjointOut::new(out);
