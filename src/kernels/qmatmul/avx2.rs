@@ -52,8 +52,8 @@ pub(super) unsafe fn dot_i8<D: ByteDot>(w: __m256i, a: __m256i, unsigned: bool) 
 /// products to a 32-bit lane: AVX2's `maddubs` into 16-bit pairs, or one `vpdpbusd` straight
 /// into 32-bit lanes in either VNNI encoding. Kernels are generic over it (every method is
 /// inlined into a kernel compiled with the matching target features) and add AVX2's pairs up
-/// in 16 bits where the products cannot overflow them ([`dp16`], widened once by [`widen`] or
-/// [`scaled`]), or widen every step ([`dp32`]).
+/// in 16 bits where the products cannot overflow them (`dp16`, widened once by `widen` or
+/// `scaled`), or widen every step (`dp32`).
 pub trait ByteDot: 'static {
     /// Whether `dpbusd` is one instruction, so kernels keep 32-bit sums.
     const VNNI: bool;
