@@ -355,6 +355,8 @@ impl Model {
         let t = ids.len();
         let mut x = self.embed(&ids)?;
         let mut h = vec![0f32; x.len()];
+        let ffn = c.intermediate_size;
+        let mut gated = vec![0f32; t * ffn];
         for (i, layer) in self.layers.iter().enumerate() {
             h.copy_from_slice(&x);
             layer.attn_norm.forward_in_place(&mut h);
@@ -363,8 +365,6 @@ impl Model {
             h.copy_from_slice(&x);
             layer.ffn_norm.forward_in_place(&mut h);
             let gate_up = layer.mlp.gate_up.forward_rows(&h, t)?;
-            let ffn = c.intermediate_size;
-            let mut gated = vec![0f32; t * ffn];
             for (r, out) in gated.chunks_exact_mut(ffn).enumerate() {
                 silu_mul(gate_up.row(0, r), gate_up.row(1, r), out);
             }
