@@ -39,22 +39,40 @@ struct Shared {
     panicked: AtomicBool,
 }
 
-/// One parallel call: items `0..n` handed out `chunk` at a time from `cursor`.
+/// One parallel call: items `0..n` handed out from `cursor` in shrinking chunks (guided
+/// self-scheduling): a grab takes `1 / spread` of the items left, at least `min_chunk`. Large
+/// first chunks keep each thread on one long stretch of memory; small last ones let the
+/// threads finish together, so none idles while another works through a big final chunk.
 struct Job<'a> {
     f: &'a (dyn Fn(Range<usize>) + Sync),
     n: usize,
-    chunk: usize,
+    spread: usize,
+    min_chunk: usize,
     cursor: AtomicUsize,
 }
 
 impl Job<'_> {
     fn work(&self) {
+        while let Some(range) = self.grab() {
+            (self.f)(range);
+        }
+    }
+
+    /// The next chunk, `None` when every item is taken.
+    fn grab(&self) -> Option<Range<usize>> {
+        let mut start = self.cursor.load(Ordering::Relaxed);
         loop {
-            let start = self.cursor.fetch_add(self.chunk, Ordering::Relaxed);
-            if start >= self.n {
-                return;
+            let left = self.n.checked_sub(start).filter(|&l| l > 0)?;
+            let size = (left / self.spread).max(self.min_chunk).min(left);
+            match self.cursor.compare_exchange_weak(
+                start,
+                start + size,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(start..start + size),
+                Err(now) => start = now,
             }
-            (self.f)(start..self.n.min(start + self.chunk));
         }
     }
 }
@@ -110,12 +128,12 @@ impl ComputePool {
             f(0..n_items);
             return;
         }
-        // Several items per thread: fast threads absorb a straggler's share.
-        let chunk = n_items.div_ceil(self.threads() * 4).max(1);
+        let threads = self.threads();
         let job = Job {
             f: &f,
             n: n_items,
-            chunk,
+            spread: 2 * threads,
+            min_chunk: n_items.div_ceil(16 * threads),
             cursor: AtomicUsize::new(0),
         };
         let _one_job = self.call.lock().unwrap_or_else(|e| e.into_inner());
@@ -299,6 +317,29 @@ mod tests {
                 "n = {n}"
             );
         }
+    }
+
+    /// Chunks shrink from a quarter of the items (two threads) to the floor, cover every item
+    /// once in order, and end exactly at `n`.
+    #[test]
+    fn chunks_shrink_to_the_floor() {
+        let f = |_: Range<usize>| {};
+        let job = Job {
+            f: &f,
+            n: 1000,
+            spread: 4,
+            min_chunk: 32,
+            cursor: AtomicUsize::new(0),
+        };
+        let chunks: Vec<Range<usize>> = std::iter::from_fn(|| job.grab()).collect();
+        let sizes: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        assert_eq!(
+            sizes,
+            [250, 187, 140, 105, 79, 59, 45, 33, 32, 32, 32, 6],
+            "guided sizes"
+        );
+        assert!(chunks.windows(2).all(|w| w[0].end == w[1].start));
+        assert_eq!((chunks[0].start, chunks.last().unwrap().end), (0, 1000));
     }
 
     /// Work spreads over the workers (they wake from parking) and the results add up.
