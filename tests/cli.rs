@@ -120,7 +120,13 @@ fn bench_model_prints_json_lines() {
     for (row, batch) in rows.iter().zip([1, 3]) {
         assert_eq!(row["batch"], batch);
         assert_eq!(row["model"], "tiny.gguf");
-        for key in ["prefill_tok_s", "decode_tok_s", "roofline_tok_s"] {
+        for key in [
+            "prefill_tok_s",
+            "decode_tok_s",
+            "roofline_tok_s",
+            "roofline_fraction",
+            "read_gb_s",
+        ] {
             assert!(row[key].as_f64().unwrap() > 0.0, "{key} in {row}");
         }
     }

@@ -1,6 +1,8 @@
 //! `tokenrouter bench-model`: prefill and decode tokens/s per batch size, next to the batch-1
-//! decode roofline (bytes of weights a decode step streams ÷ memory read bandwidth measured in
-//! the same run).
+//! decode roofline: the bytes one sequence's decode step must read (every weight it streams
+//! and the sequence's K/V at its context) ÷ the memory read bandwidth. The bandwidth of a
+//! shared machine drifts over seconds, so every timed decode step is followed by a plain read
+//! of as many bytes, and each row reports the median of those pairs.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -8,7 +10,7 @@ use std::time::Instant;
 use clap::Args;
 
 use tokenrouter::kernels::parallel::for_each_range;
-use tokenrouter::model::profile::{measure, warm_up, Workload};
+use tokenrouter::model::profile::{measure, measure_with, warm_up, Workload};
 use tokenrouter::model::{KvDtype, MatmulBackend};
 
 #[derive(Args)]
@@ -63,6 +65,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         warm_up(&b.model)?;
     }
     let bytes = model.streamed_weight_bytes() as f64;
+    let config = model.config();
+    let kv_per_position =
+        (2 * config.num_layers * config.kv_dim() * args.kv_dtype.size_in_bytes()) as f64;
+    // Decode step `s` attends to `prompt_len + s + 1` positions.
+    let step_bytes = |s: usize| bytes + kv_per_position * (args.prompt_len + s + 1) as f64;
     let probe = ReadProbe::new();
     let bandwidth = probe.bandwidth(5);
     let name = lm
@@ -72,14 +79,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .unwrap_or_default();
     if !args.json {
         println!(
-            "model {name}: {:.1} MB streamed per decode step, read bandwidth {:.2} GB/s, batch-1 roofline {:.1} tok/s, kernels {}",
+            "model {name}: {:.1} MB of weights streamed per decode step (+{:.2} MB of K/V at the mean context), best read bandwidth {:.2} GB/s, batch-1 roofline {:.1} tok/s, kernels {}",
             bytes / 1e6,
+            (step_bytes(args.decode_steps / 2) - bytes) / 1e6,
             bandwidth / 1e9,
-            bandwidth / bytes,
+            bandwidth / step_bytes(args.decode_steps / 2),
             tokenrouter::model::MatmulBackend::from_env().kernels()
         );
         println!(
-            "(the bandwidth drifts on a shared machine: each row's roofline is the mean of the read rates just before and just after it)"
+            "(each decode step is paired with a plain read of its bytes just after it; read GB/s, roofline and % roofline are the medians over a row's steps)"
         );
         print!(
             "{:>6} {:>14} {:>14} {:>10} {:>10} {:>10}",
@@ -100,9 +108,26 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         kv_dtype: args.kv_dtype,
     };
     for &batch in &args.batch {
-        let before = probe.bandwidth(3);
-        let row = measure(model, batch, &workload)?;
-        let roofline = (before + probe.bandwidth(3)) / 2.0 / bytes;
+        let mut rates = Vec::with_capacity(args.decode_steps);
+        let row = measure_with(model, batch, &workload, &mut |s| {
+            rates.push(probe.read_rate(step_bytes(s) as usize))
+        })?;
+        // Per step: the read rate, the roofline (batch-1 steps per second at that rate) and
+        // this step's tokens per second against it.
+        let read = median(rates.clone());
+        let rooflines: Vec<f64> = rates
+            .iter()
+            .enumerate()
+            .map(|(s, rate)| rate / step_bytes(s))
+            .collect();
+        let fraction = median(
+            rooflines
+                .iter()
+                .zip(&row.step_secs)
+                .map(|(roofline, secs)| batch as f64 / secs / roofline)
+                .collect(),
+        );
+        let roofline = median(rooflines);
         let base = match &baseline {
             Some(b) => Some(measure(&b.model, batch, &workload)?),
             None => None,
@@ -114,6 +139,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "prefill_tok_s": row.prefill_tok_s,
                 "decode_tok_s": row.decode_tok_s,
                 "roofline_tok_s": roofline,
+                "roofline_fraction": fraction,
+                "read_gb_s": read / 1e9,
                 "kernels": tokenrouter::model::MatmulBackend::from_env().kernels(),
             });
             if let Some(b) = &base {
@@ -127,9 +154,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 batch,
                 row.prefill_tok_s,
                 row.decode_tok_s,
-                roofline * bytes / 1e9,
+                read / 1e9,
                 roofline,
-                100.0 * row.decode_tok_s / roofline
+                100.0 * fraction
             );
             if let Some(b) = &base {
                 print!(
@@ -161,25 +188,55 @@ impl ReadProbe {
         }
     }
 
-    /// Best-of-`passes` read bandwidth in bytes/s, read with the same thread pool the kernels
-    /// use.
+    /// Best-of-`passes` read bandwidth in bytes/s of the whole buffer.
     fn bandwidth(&self, passes: usize) -> f64 {
+        (0..passes)
+            .map(|_| self.read_rate(self.buf.len() * 8))
+            .fold(0f64, f64::max)
+    }
+
+    /// Bytes/s of one plain read of `bytes` (whole chunks, at least one), with the same thread
+    /// pool the kernels use; past the buffer's end the read wraps to its start (the buffer is
+    /// far larger than the caches, so a wrapped read still comes from memory).
+    fn read_rate(&self, bytes: usize) -> f64 {
         let chunk = Self::CHUNK;
-        let items = self.buf.len() / chunk;
-        let mut best = 0f64;
-        for _ in 0..passes {
-            let total = AtomicU64::new(0);
-            let started = Instant::now();
-            for_each_range(items, |chunks| {
-                let part = self.buf[chunks.start * chunk..chunks.end * chunk]
+        let chunks = self.buf.len() / chunk;
+        let items = (bytes / 8 / chunk).max(1);
+        let total = AtomicU64::new(0);
+        let started = Instant::now();
+        for_each_range(items, |range| {
+            let part = range.fold(0u64, |acc, i| {
+                let c = i % chunks;
+                self.buf[c * chunk..(c + 1) * chunk]
                     .iter()
-                    .fold(0u64, |a, &x| a.wrapping_add(x));
-                total.fetch_add(part, Ordering::Relaxed);
+                    .fold(acc, |a, &x| a.wrapping_add(x))
             });
-            let secs = started.elapsed().as_secs_f64();
-            std::hint::black_box(total.load(Ordering::Relaxed));
-            best = best.max((items * chunk * 8) as f64 / secs);
-        }
-        best
+            total.fetch_add(part, Ordering::Relaxed);
+        });
+        let secs = started.elapsed().as_secs_f64();
+        std::hint::black_box(total.load(Ordering::Relaxed));
+        (items * chunk * 8) as f64 / secs
+    }
+}
+
+/// The median of `xs` (the mean of the middle two for an even count); NaN when empty.
+fn median(mut xs: Vec<f64>) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    (xs[(n - 1) / 2] + xs[n / 2]) / 2.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(Vec::new()).is_nan());
     }
 }

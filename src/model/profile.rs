@@ -21,14 +21,27 @@ pub struct Workload {
     pub kv_dtype: KvDtype,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Throughput {
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
+    /// Seconds of each timed decode step, in order.
+    pub step_secs: Vec<f64>,
 }
 
 /// Prefill and decode throughput of `batch` sequences decoding together.
 pub fn measure(model: &Model, batch: usize, work: &Workload) -> Result<Throughput> {
+    measure_with(model, batch, work, &mut |_| {})
+}
+
+/// [`measure`], calling `between(step)` after each timed decode step (untimed): for
+/// measurements paired with each step, such as a plain read of as many bytes.
+pub fn measure_with(
+    model: &Model,
+    batch: usize,
+    work: &Workload,
+    between: &mut dyn FnMut(usize),
+) -> Result<Throughput> {
     let config = model.config();
     let block_size = 16;
     let per_seq = (work.prompt_len + work.decode_steps + 1).div_ceil(block_size) * block_size;
@@ -54,10 +67,11 @@ pub fn measure(model: &Model, batch: usize, work: &Workload) -> Result<Throughpu
     )?
     .logits;
     let prefill = started.elapsed().as_secs_f64();
-    let started = Instant::now();
-    for _ in 0..work.decode_steps {
-        for (i, s) in seqs.iter_mut().enumerate() {
-            s.tokens.push(argmax(&logits_row(&logits, i)?));
+    let mut step_secs = Vec::with_capacity(work.decode_steps);
+    for s in 0..work.decode_steps {
+        let started = Instant::now();
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            seq.tokens.push(argmax(&logits_row(&logits, i)?));
         }
         logits = step(
             model,
@@ -66,11 +80,14 @@ pub fn measure(model: &Model, batch: usize, work: &Workload) -> Result<Throughpu
             false,
         )?
         .logits;
+        step_secs.push(started.elapsed().as_secs_f64());
+        between(s);
     }
-    let decode = started.elapsed().as_secs_f64();
+    let decode: f64 = step_secs.iter().sum();
     Ok(Throughput {
         prefill_tok_s: (batch * work.prompt_len) as f64 / prefill,
         decode_tok_s: (batch * work.decode_steps) as f64 / decode,
+        step_secs,
     })
 }
 
