@@ -105,6 +105,7 @@ fn bench_model_prints_json_lines() {
         "--decode-steps",
         "4",
         "--json",
+        "--breakdown",
     ]);
     assert!(
         out.status.success(),
@@ -129,6 +130,17 @@ fn bench_model_prints_json_lines() {
         ] {
             assert!(row[key].as_f64().unwrap() > 0.0, "{key} in {row}");
         }
+        // The decode steps' time split into parts: shares of one whole, the LM head among
+        // the matmuls.
+        let part = |k: &str| row["breakdown"][k].as_f64().unwrap();
+        let whole = part("matmul") + part("attention") + part("other");
+        assert!((whole - 1.0).abs() < 1e-9, "{row}");
+        assert!(part("matmul") > 0.0 && part("attention") > 0.0, "{row}");
+        assert!(
+            part("lm_head") > 0.0 && part("lm_head") < part("matmul"),
+            "{row}"
+        );
+        assert!(part("matmul_gb_s") > 0.0, "{row}");
     }
 }
 

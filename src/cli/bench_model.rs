@@ -10,7 +10,9 @@ use std::time::Instant;
 use clap::Args;
 
 use tokenrouter::kernels::parallel::for_each_range;
-use tokenrouter::model::profile::{measure, measure_with, warm_up, Workload};
+use tokenrouter::model::profile::{
+    measure, measure_with, set_breakdown, warm_up, Breakdown, Workload,
+};
 use tokenrouter::model::{KvDtype, MatmulBackend};
 
 #[derive(Args)]
@@ -38,6 +40,10 @@ pub struct BenchArgs {
     /// print our speed-up over it.
     #[arg(long)]
     pub baseline_candle: bool,
+    /// Also print where the decode steps' time goes: the quantized matmuls (and the LM head
+    /// among them), attention, and everything else; and the rate the matmuls stream weights.
+    #[arg(long)]
+    breakdown: bool,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -109,9 +115,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     for &batch in &args.batch {
         let mut rates = Vec::with_capacity(args.decode_steps);
+        set_breakdown(args.breakdown);
         let row = measure_with(model, batch, &workload, &mut |s| {
             rates.push(probe.read_rate(step_bytes(s) as usize))
-        })?;
+        });
+        set_breakdown(false);
+        let row = row?;
         // Per step: the read rate, the roofline (batch-1 steps per second at that rate) and
         // this step's tokens per second against it.
         let read = median(rates.clone());
@@ -147,6 +156,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 obj["candle_prefill_tok_s"] = b.prefill_tok_s.into();
                 obj["candle_decode_tok_s"] = b.decode_tok_s.into();
             }
+            if let Some(parts) = &row.breakdown {
+                let shares = Shares::new(parts, &row.step_secs, bytes);
+                obj["breakdown"] = serde_json::json!({
+                    "matmul": shares.matmul,
+                    "lm_head": shares.lm_head,
+                    "attention": shares.attention,
+                    "other": shares.other,
+                    "matmul_gb_s": shares.matmul_gb_s,
+                });
+            }
             println!("{obj}");
         } else {
             print!(
@@ -167,9 +186,44 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 );
             }
             println!();
+            if let Some(parts) = &row.breakdown {
+                let s = Shares::new(parts, &row.step_secs, bytes);
+                println!(
+                    "{:>6} decode step: matmuls {:.1} % (LM head {:.1} %), attention {:.1} %, other {:.1} %; the matmuls stream weights at {:.2} GB/s",
+                    "",
+                    100.0 * s.matmul,
+                    100.0 * s.lm_head,
+                    100.0 * s.attention,
+                    100.0 * s.other,
+                    s.matmul_gb_s
+                );
+            }
         }
     }
     Ok(())
+}
+
+/// A [`Breakdown`] as shares of the decode steps' time, and the matmuls' weight rate.
+struct Shares {
+    matmul: f64,
+    lm_head: f64,
+    attention: f64,
+    other: f64,
+    matmul_gb_s: f64,
+}
+
+impl Shares {
+    /// `weight_bytes`: what every step's matmuls read together.
+    fn new(parts: &Breakdown, step_secs: &[f64], weight_bytes: f64) -> Self {
+        let total: f64 = step_secs.iter().sum();
+        Self {
+            matmul: parts.matmul / total,
+            lm_head: parts.lm_head / total,
+            attention: parts.attention / total,
+            other: (total - parts.matmul - parts.attention).max(0.0) / total,
+            matmul_gb_s: weight_bytes * step_secs.len() as f64 / parts.matmul / 1e9,
+        }
+    }
 }
 
 /// A buffer far larger than the caches, for timing plain reads of memory.

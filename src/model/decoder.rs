@@ -13,6 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
+use super::profile::{timed, Part};
 use super::weights::{FusedLinear, Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
 use crate::kernels::attention::AttentionSeq;
 use crate::kernels::rope::{inverse_frequencies, RotaryAngles};
@@ -303,7 +304,7 @@ impl Model {
         let c = &self.config;
         let rows = x.len() / c.hidden_size;
         self.norm.forward_in_place(&mut x);
-        let logits = self.lm_head.forward_rows(&x, rows)?;
+        let logits = timed(Part::LmHead, || self.lm_head.forward_rows(&x, rows))?;
         Ok(ForwardOutput {
             logits: Tensor::from_vec(logits, (rows, c.vocab_size), &self.device)?,
             hidden: want_hidden
@@ -405,7 +406,9 @@ impl Model {
         kv.write(layer, seqs, &k, &v);
         let mut out = vec![0f32; q.len()];
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        kv.attention(layer, &q, c.num_heads, seqs, scale, &mut out);
+        timed(Part::Attention, || {
+            kv.attention(layer, &q, c.num_heads, seqs, scale, &mut out)
+        });
         attn.o.forward_rows(&out, t)
     }
 

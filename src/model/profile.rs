@@ -1,6 +1,7 @@
 //! Measuring a model on this machine: prefill and decode throughput of a batch, and the
 //! decode-step latency per batch size that the throughput model (`tuning`) takes as input.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
@@ -27,6 +28,59 @@ pub struct Throughput {
     pub decode_tok_s: f64,
     /// Seconds of each timed decode step, in order.
     pub step_secs: Vec<f64>,
+    /// Where the decode steps' time went, when [`set_breakdown`] is on.
+    pub breakdown: Option<Breakdown>,
+}
+
+/// The parts of a forward pass [`timed`] accounts for.
+#[derive(Debug, Clone, Copy)]
+pub enum Part {
+    /// Every matrix multiplication (the LM head's included).
+    Matmul,
+    /// The LM head's matrix multiplication alone.
+    LmHead,
+    /// Attention over the KV cache (the projections are matmuls).
+    Attention,
+}
+
+/// Seconds spent in each [`Part`] over the timed decode steps of one measurement.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Breakdown {
+    pub matmul: f64,
+    pub lm_head: f64,
+    pub attention: f64,
+}
+
+static BREAKDOWN_ON: AtomicBool = AtomicBool::new(false);
+static PART_NANOS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+/// Turns the accounting of [`timed`] on or off. It is process-wide: meant for one model
+/// measured at a time (`bench-model --breakdown`); off, a part costs one relaxed load.
+pub fn set_breakdown(on: bool) {
+    BREAKDOWN_ON.store(on, Ordering::Relaxed);
+}
+
+/// Runs `f`, adding its wall time to `part` when the breakdown is on.
+#[inline]
+pub fn timed<R>(part: Part, f: impl FnOnce() -> R) -> R {
+    if !BREAKDOWN_ON.load(Ordering::Relaxed) {
+        return f();
+    }
+    let started = Instant::now();
+    let result = f();
+    PART_NANOS[part as usize].fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    result
+}
+
+/// The time accounted since the last call (zeroing it), `None` while the breakdown is off.
+fn take_breakdown() -> Option<Breakdown> {
+    let secs = |part: Part| PART_NANOS[part as usize].swap(0, Ordering::Relaxed) as f64 / 1e9;
+    let breakdown = Breakdown {
+        matmul: secs(Part::Matmul),
+        lm_head: secs(Part::LmHead),
+        attention: secs(Part::Attention),
+    };
+    BREAKDOWN_ON.load(Ordering::Relaxed).then_some(breakdown)
 }
 
 /// Prefill and decode throughput of `batch` sequences decoding together.
@@ -68,6 +122,7 @@ pub fn measure_with(
     .logits;
     let prefill = started.elapsed().as_secs_f64();
     let mut step_secs = Vec::with_capacity(work.decode_steps);
+    take_breakdown();
     for s in 0..work.decode_steps {
         let started = Instant::now();
         for (i, seq) in seqs.iter_mut().enumerate() {
@@ -83,11 +138,13 @@ pub fn measure_with(
         step_secs.push(started.elapsed().as_secs_f64());
         between(s);
     }
+    let breakdown = take_breakdown();
     let decode: f64 = step_secs.iter().sum();
     Ok(Throughput {
         prefill_tok_s: (batch * work.prompt_len) as f64 / prefill,
         decode_tok_s: (batch * work.decode_steps) as f64 / decode,
         step_secs,
+        breakdown,
     })
 }
 

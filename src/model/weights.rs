@@ -255,6 +255,10 @@ impl Matmul {
     /// our kernels multiply the slice in place; candle's get it as a tensor on the weight's
     /// device.
     pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        super::profile::timed(super::profile::Part::Matmul, || self.multiply(x, rows))
+    }
+
+    fn multiply(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         match self {
             Self::Own(kernel) => {
                 let mut out = vec![0f32; rows * kernel.out_features()];
