@@ -327,15 +327,28 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
         scale,
     } = span;
     let mut scores = [0f32; MAX_BLOCK_SIZE];
-    for (bi, &block) in blocks.iter().enumerate() {
+    // Block `bi`'s K and V rows (`None` past the context).
+    let rows = |bi: usize| {
         let start = first_pos + bi * bs;
-        if start >= ctx {
-            break;
-        }
+        let &block = blocks.get(bi).filter(|_| start < ctx)?;
         let n = bs.min(ctx - start);
         let base = kv.block_offset(block, kv_head);
-        let k_rows = &kv.k[base..base + n * hd];
-        let v_rows = &kv.v[base..base + n * hd];
+        Some((&kv.k[base..base + n * hd], &kv.v[base..base + n * hd]))
+    };
+    for bi in 0..blocks.len() {
+        let Some((k_rows, v_rows)) = rows(bi) else {
+            break;
+        };
+        let n = k_rows.len() / hd;
+        // A sequence's blocks lie anywhere in the pool, a few KB each, too short for the
+        // hardware prefetcher: this block's V rows (read after its scores) and the next
+        // block's rows are requested now. (A decode step's K/V is cold: the weights streamed
+        // through the caches since the last step.)
+        prefetch(v_rows);
+        if let Some((k_next, v_next)) = rows(bi + 1) {
+            prefetch(k_next);
+            prefetch(v_next);
+        }
         let scores = &mut scores[..n];
         for h in 0..group {
             let acc = &mut out[h * hd..(h + 1) * hd];
@@ -352,6 +365,22 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
             state.max[h] = new_max;
         }
     }
+}
+
+/// Requests every cache line of `rows` (prefetches never fault and change nothing).
+#[inline(always)]
+fn prefetch<T>(rows: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        let start = rows.as_ptr() as *const i8;
+        for offset in (0..std::mem::size_of_val(rows)).step_by(64) {
+            // SAFETY: a prefetch has no effect on memory; the address lies inside `rows`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = rows;
 }
 
 #[cfg(test)]
