@@ -133,19 +133,18 @@ mod avx2 {
             // Sub-blocks `2p` and `2p + 1` share their bytes (low and high nibbles): one load
             // serves both, whose sums are independent chains.
             for p in 0..4 {
-                let scales: [__m256i; 2] = std::array::from_fn(|h| {
-                    scales::<D, false>(block.scales.as_ptr().add(8 * (2 * p + h)))
-                });
-                // Four steps a block of 18½ lines: 19 prefetches, or the stream falls 32 bytes behind a block.
+                // Four steps a block of 18½ lines: 19 prefetches (with 18 the stream falls 32
+                // bytes behind every block).
                 for line in 4 * p..4 * p + 4 {
                     prefetch_line(block, line);
                 }
                 if p < 3 {
                     prefetch_line(block, 16 + p);
                 }
-                // With VNNI, even and odd groups in separate sums as well (`vpdpbusd`'s
-                // latency overlaps); AVX2's one-cycle adds take one (the other stays zero and
-                // its add folds away).
+                // With VNNI and one or two rows, even and odd groups in separate sums as well
+                // (`vpdpbusd`'s latency overlaps; more rows bring their own chains, and more
+                // sums would not fit the 16 registers of AVX-VNNI); AVX2's one-cycle adds take
+                // one (the other stays zero and its add folds away).
                 let mut part = [[[_mm256_setzero_si256(); T]; 2]; 2];
                 for g in 0..8 {
                     let bits = _mm256_load_si256(
@@ -155,7 +154,7 @@ mod avx2 {
                         _mm256_and_si256(bits, m4),
                         _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4),
                     ];
-                    let k = if D::VNNI { g % 2 } else { 0 };
+                    let k = if D::VNNI && T <= 2 { g % 2 } else { 0 };
                     for r in 0..T {
                         for (h, q) in q.iter().enumerate() {
                             let j = 2 * p + h;
@@ -165,6 +164,9 @@ mod avx2 {
                         }
                     }
                 }
+                let scales: [__m256i; 2] = std::array::from_fn(|h| {
+                    scales::<D, false>(block.scales.as_ptr().add(8 * (2 * p + h)))
+                });
                 for r in 0..T {
                     for (h, part) in part.iter().enumerate() {
                         let part = add16::<D>(part[0][r], part[1][r]);
