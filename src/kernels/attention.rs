@@ -11,7 +11,7 @@
 //! sum, unnormalised output) are merged afterwards.
 
 use super::parallel::{current_threads, for_each_range, DisjointOut};
-use super::{axpy, dot, exp_portable, KvElem};
+use super::{axpy, dot, exp_portable, prefetch_lines, KvElem};
 
 /// Largest supported block size: scores of one block live on the stack.
 pub const MAX_BLOCK_SIZE: usize = 256;
@@ -344,10 +344,10 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
         // hardware prefetcher: this block's V rows (read after its scores) and the next
         // block's rows are requested now. (A decode step's K/V is cold: the weights streamed
         // through the caches since the last step.)
-        prefetch(v_rows);
+        prefetch_lines(v_rows.as_ptr(), std::mem::size_of_val(v_rows));
         if let Some((k_next, v_next)) = rows(bi + 1) {
-            prefetch(k_next);
-            prefetch(v_next);
+            prefetch_lines(k_next.as_ptr(), std::mem::size_of_val(k_next));
+            prefetch_lines(v_next.as_ptr(), std::mem::size_of_val(v_next));
         }
         let scores = &mut scores[..n];
         for h in 0..group {
@@ -365,22 +365,6 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
             state.max[h] = new_max;
         }
     }
-}
-
-/// Requests every cache line of `rows` (prefetches never fault and change nothing).
-#[inline(always)]
-fn prefetch<T>(rows: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::*;
-        let start = rows.as_ptr() as *const i8;
-        for offset in (0..std::mem::size_of_val(rows)).step_by(64) {
-            // SAFETY: a prefetch has no effect on memory; the address lies inside `rows`.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset)) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = rows;
 }
 
 #[cfg(test)]

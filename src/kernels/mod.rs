@@ -47,6 +47,24 @@ impl KvElem for half::f16 {
     }
 }
 
+/// Requests every cache line that `bytes` bytes from `start` touch (the first and last lines
+/// included when `start` is not line-aligned). Prefetches never fault and change nothing.
+#[inline(always)]
+pub(crate) fn prefetch_lines<T>(start: *const T, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        let first = start as usize & !63;
+        let end = start as usize + bytes;
+        for line in (first..end).step_by(64) {
+            // SAFETY: a prefetch has no effect on memory and cannot fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (start, bytes);
+}
+
 /// Dot product with eight independent accumulators, so the loop vectorises.
 #[inline]
 pub(crate) fn dot<T: KvElem>(a: &[f32], b: &[T]) -> f32 {

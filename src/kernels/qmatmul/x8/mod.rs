@@ -235,12 +235,14 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
         let group_bytes = kb * std::mem::size_of::<P>();
         let tile_rows = |left: usize| left.min(P::TILE_ROWS).min(MAX_TILE_ROWS);
         for_each_slice_tile(n / ROWS, group_bytes, m, tile_rows, |groups, r| {
-            // The tiles prefetch `PREFETCH_AHEAD` bytes ahead of their work: a slice that does
-            // not continue the previous one (the first of a thread's chunk) starts with its
-            // first lines requested at once, not one by one as demand misses.
-            #[cfg(target_arch = "x86_64")]
+            // The tiles prefetch `PREFETCH_AHEAD` bytes ahead of their work, so the head of a
+            // thread's chunk would come in as demand misses: every slice starts with its first
+            // `PREFETCH_AHEAD` bytes requested at once (for a slice continuing the previous
+            // one, lines already requested: 48 cheap instructions per slice).
             if r.start == 0 {
-                prime(&self.blocks[groups.start * kb..groups.end * kb]);
+                let slice = &self.blocks[groups.start * kb..groups.end * kb];
+                let bytes = std::mem::size_of_val(slice).min(PREFETCH_AHEAD);
+                crate::kernels::prefetch_lines(slice.as_ptr(), bytes);
             }
             let row_acts = &acts[r.start * kb..r.end * kb];
             let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
@@ -286,19 +288,6 @@ fn tile_scalar<P: Interleaved>(w: &[P], acts: &[Act<P>], kb: usize, sums: &mut [
 #[inline(always)]
 unsafe fn broadcast4(p: *const u8) -> std::arch::x86_64::__m256i {
     std::arch::x86_64::_mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
-}
-
-/// Prefetches the first [`PREFETCH_AHEAD`] bytes of `blocks` (all of them when shorter).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-fn prime<P>(blocks: &[P]) {
-    use std::arch::x86_64::*;
-    let start = blocks.as_ptr() as *const i8;
-    for offset in (0..std::mem::size_of_val(blocks).min(PREFETCH_AHEAD)).step_by(64) {
-        // SAFETY: prefetching has no effect on memory and never faults; the address is
-        // inside `blocks`.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset)) };
-    }
 }
 
 /// Bytes ahead of the block being multiplied that [`prefetch_line`] reaches for (two to three
