@@ -11,9 +11,9 @@ use clap::Args;
 
 use tokenrouter::kernels::parallel::for_each_range;
 use tokenrouter::model::profile::{
-    measure, measure_with, set_breakdown, warm_up, Breakdown, Workload,
+    measure, measure_with, set_breakdown, warm_up, Breakdown, Throughput, Workload,
 };
-use tokenrouter::model::{KvDtype, MatmulBackend};
+use tokenrouter::model::{KvDtype, MatmulBackend, Model};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -70,12 +70,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(b) = &baseline {
         warm_up(&b.model)?;
     }
-    let bytes = model.streamed_weight_bytes() as f64;
     let config = model.config();
-    let kv_per_position =
-        (2 * config.num_layers * config.kv_dim() * args.kv_dtype.size_in_bytes()) as f64;
-    // Decode step `s` attends to `prompt_len + s + 1` positions.
-    let step_bytes = |s: usize| bytes + kv_per_position * (args.prompt_len + s + 1) as f64;
+    let bytes = StepBytes {
+        weights: model.streamed_weight_bytes() as f64,
+        kv_per_position: (2 * config.num_layers * config.kv_dim() * args.kv_dtype.size_in_bytes())
+            as f64,
+        prompt_len: args.prompt_len,
+    };
     let probe = ReadProbe::new();
     let bandwidth = probe.bandwidth(5);
     let name = lm
@@ -83,17 +84,19 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
+    let kernels = MatmulBackend::from_env().kernels();
     if !args.json {
+        // The middle step's bytes stand for the row's.
+        let middle = bytes.at(args.decode_steps / 2);
         println!(
-            "model {name}: {:.1} MB of weights streamed per decode step (+{:.2} MB of K/V at the mean context), best read bandwidth {:.2} GB/s, batch-1 roofline {:.1} tok/s, kernels {}",
-            bytes / 1e6,
-            (step_bytes(args.decode_steps / 2) - bytes) / 1e6,
+            "model {name}: {:.1} MB of weights streamed per decode step (+{:.2} MB of K/V at the middle step's context), best read bandwidth {:.2} GB/s, batch-1 roofline {:.1} tok/s, kernels {kernels}",
+            bytes.weights / 1e6,
+            (middle - bytes.weights) / 1e6,
             bandwidth / 1e9,
-            bandwidth / step_bytes(args.decode_steps / 2),
-            tokenrouter::model::MatmulBackend::from_env().kernels()
+            bandwidth / middle,
         );
         println!(
-            "(each decode step is paired with a plain read of its bytes just after it; read GB/s, roofline and % roofline are the medians over a row's steps)"
+            "(each decode step is paired with a plain read of a batch-1 step's bytes just after it; read GB/s, roofline and % roofline are the medians over a row's steps)"
         );
         print!(
             "{:>6} {:>14} {:>14} {:>10} {:>10} {:>10}",
@@ -114,93 +117,148 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         kv_dtype: args.kv_dtype,
     };
     for &batch in &args.batch {
-        let mut rates = Vec::with_capacity(args.decode_steps);
-        set_breakdown(args.breakdown);
-        let row = measure_with(model, batch, &workload, &mut |s| {
-            rates.push(probe.read_rate(step_bytes(s) as usize))
-        });
-        set_breakdown(false);
-        let row = row?;
-        // Per step: the read rate, the roofline (batch-1 steps per second at that rate) and
-        // this step's tokens per second against it.
-        let read = median(rates.clone());
-        let rooflines: Vec<f64> = rates
-            .iter()
-            .enumerate()
-            .map(|(s, rate)| rate / step_bytes(s))
-            .collect();
-        let fraction = median(
-            rooflines
-                .iter()
-                .zip(&row.step_secs)
-                .map(|(roofline, secs)| batch as f64 / secs / roofline)
-                .collect(),
-        );
-        let roofline = median(rooflines);
+        let row = Row::measure(model, batch, &workload, &probe, &bytes, args.breakdown)?;
         let base = match &baseline {
             Some(b) => Some(measure(&b.model, batch, &workload)?),
             None => None,
         };
         if args.json {
-            let mut obj = serde_json::json!({
-                "model": name,
-                "batch": batch,
-                "prefill_tok_s": row.prefill_tok_s,
-                "decode_tok_s": row.decode_tok_s,
-                "roofline_tok_s": roofline,
-                "roofline_fraction": fraction,
-                "read_gb_s": read / 1e9,
-                "kernels": tokenrouter::model::MatmulBackend::from_env().kernels(),
-            });
+            let mut obj = row.json(&name, batch, kernels);
             if let Some(b) = &base {
                 obj["candle_prefill_tok_s"] = b.prefill_tok_s.into();
                 obj["candle_decode_tok_s"] = b.decode_tok_s.into();
             }
-            if let Some(parts) = &row.breakdown {
-                let shares = Shares::new(parts, &row.step_secs, bytes);
-                obj["breakdown"] = serde_json::json!({
-                    "matmul": shares.matmul,
-                    "lm_head": shares.lm_head,
-                    "attention": shares.attention,
-                    "other": shares.other,
-                    "matmul_gb_s": shares.matmul_gb_s,
-                });
-            }
             println!("{obj}");
         } else {
-            print!(
-                "{:>6} {:>14.1} {:>14.1} {:>10.2} {:>10.1} {:>9.0}%",
-                batch,
-                row.prefill_tok_s,
-                row.decode_tok_s,
-                read / 1e9,
-                roofline,
-                100.0 * fraction
-            );
-            if let Some(b) = &base {
-                print!(
-                    " {:>15.1} {:>15.1} {:>8.1}x",
-                    b.prefill_tok_s,
-                    b.decode_tok_s,
-                    row.decode_tok_s / b.decode_tok_s
-                );
-            }
-            println!();
-            if let Some(parts) = &row.breakdown {
-                let s = Shares::new(parts, &row.step_secs, bytes);
-                println!(
-                    "{:>6} decode step: matmuls {:.1} % (LM head {:.1} %), attention {:.1} %, other {:.1} %; the matmuls stream weights at {:.2} GB/s",
-                    "",
-                    100.0 * s.matmul,
-                    100.0 * s.lm_head,
-                    100.0 * s.attention,
-                    100.0 * s.other,
-                    s.matmul_gb_s
-                );
-            }
+            row.print(batch, base.as_ref());
         }
     }
     Ok(())
+}
+
+/// The bytes a batch-1 decode step must read: every weight it streams, and the sequence's K/V.
+struct StepBytes {
+    weights: f64,
+    kv_per_position: f64,
+    prompt_len: usize,
+}
+
+impl StepBytes {
+    /// At decode step `s`, which attends to `prompt_len + s + 1` positions.
+    fn at(&self, s: usize) -> f64 {
+        self.weights + self.kv_per_position * (self.prompt_len + s + 1) as f64
+    }
+}
+
+/// One batch size's measurement, against the reads paired with its steps.
+struct Row {
+    throughput: Throughput,
+    /// Medians over the steps: read rate (bytes/s), batch-1 roofline (steps/s), and each
+    /// step's tokens/s over its own roofline.
+    read: f64,
+    roofline: f64,
+    fraction: f64,
+    shares: Option<Shares>,
+}
+
+impl Row {
+    fn measure(
+        model: &Model,
+        batch: usize,
+        workload: &Workload,
+        probe: &ReadProbe,
+        bytes: &StepBytes,
+        breakdown: bool,
+    ) -> anyhow::Result<Self> {
+        let mut rates = Vec::with_capacity(workload.decode_steps);
+        set_breakdown(breakdown);
+        let throughput = measure_with(model, batch, workload, &mut |s| {
+            rates.push(probe.read_rate(bytes.at(s) as usize))
+        });
+        set_breakdown(false);
+        let throughput = throughput?;
+        let rooflines: Vec<f64> = rates
+            .iter()
+            .enumerate()
+            .map(|(s, rate)| rate / bytes.at(s))
+            .collect();
+        let fraction = median(
+            rooflines
+                .iter()
+                .zip(&throughput.step_secs)
+                .map(|(roofline, secs)| batch as f64 / secs / roofline)
+                .collect(),
+        );
+        let shares = throughput
+            .breakdown
+            .map(|parts| Shares::new(&parts, &throughput.step_secs, bytes.weights));
+        Ok(Self {
+            read: median(rates),
+            roofline: median(rooflines),
+            fraction,
+            shares,
+            throughput,
+        })
+    }
+
+    fn json(&self, model: &str, batch: usize, kernels: &str) -> serde_json::Value {
+        let t = &self.throughput;
+        let mut obj = serde_json::json!({
+            "model": model,
+            "batch": batch,
+            "prefill_tok_s": t.prefill_tok_s,
+            "decode_tok_s": t.decode_tok_s,
+            "roofline_tok_s": self.roofline,
+            "roofline_fraction": self.fraction,
+            "read_gb_s": self.read / 1e9,
+            "kernels": kernels,
+        });
+        if let Some(s) = &self.shares {
+            obj["breakdown"] = serde_json::json!({
+                "matmul": s.matmul,
+                "lm_head": s.lm_head,
+                "attention": s.attention,
+                "other": s.other,
+                "matmul_gb_s": s.matmul_gb_s,
+            });
+        }
+        obj
+    }
+
+    /// The table's line (and the breakdown's, when measured); `base`: candle's on the same
+    /// model.
+    fn print(&self, batch: usize, base: Option<&Throughput>) {
+        let t = &self.throughput;
+        print!(
+            "{:>6} {:>14.1} {:>14.1} {:>10.2} {:>10.1} {:>9.0}%",
+            batch,
+            t.prefill_tok_s,
+            t.decode_tok_s,
+            self.read / 1e9,
+            self.roofline,
+            100.0 * self.fraction
+        );
+        if let Some(b) = base {
+            print!(
+                " {:>15.1} {:>15.1} {:>8.1}x",
+                b.prefill_tok_s,
+                b.decode_tok_s,
+                t.decode_tok_s / b.decode_tok_s
+            );
+        }
+        println!();
+        if let Some(s) = &self.shares {
+            println!(
+                "{:>6} decode step: matmuls {:.1} % (LM head {:.1} %), attention {:.1} %, other {:.1} %; the matmuls stream weights at {:.2} GB/s",
+                "",
+                100.0 * s.matmul,
+                100.0 * s.lm_head,
+                100.0 * s.attention,
+                100.0 * s.other,
+                s.matmul_gb_s
+            );
+        }
+    }
 }
 
 /// A [`Breakdown`] as shares of the decode steps' time, and the matmuls' weight rate.
@@ -229,6 +287,9 @@ impl Shares {
 /// A buffer far larger than the caches, for timing plain reads of memory.
 struct ReadProbe {
     buf: Vec<u64>,
+    /// The chunk the next read starts at: each read continues where the last one stopped, so
+    /// none starts on lines a previous read may have left in the caches.
+    next: std::cell::Cell<usize>,
 }
 
 impl ReadProbe {
@@ -239,6 +300,7 @@ impl ReadProbe {
         let words = 64 << 20; // 512 MiB of u64
         Self {
             buf: (0..words as u64).collect(),
+            next: std::cell::Cell::new(0),
         }
     }
 
@@ -256,12 +318,15 @@ impl ReadProbe {
         let chunk = Self::CHUNK;
         let chunks = self.buf.len() / chunk;
         let items = (bytes / 8 / chunk).max(1);
+        let first = self.next.get();
+        self.next.set((first + items) % chunks);
         let total = AtomicU64::new(0);
         let started = Instant::now();
+        let buf = &self.buf;
         for_each_range(items, |range| {
             let part = range.fold(0u64, |acc, i| {
-                let c = i % chunks;
-                self.buf[c * chunk..(c + 1) * chunk]
+                let c = (first + i) % chunks;
+                buf[c * chunk..(c + 1) * chunk]
                     .iter()
                     .fold(acc, |a, &x| a.wrapping_add(x))
             });
