@@ -3,12 +3,15 @@
 //!
 //! Cache layout per layer: `[block][kv_head][slot][head_dim]`, so one KV head's rows of one block
 //! are contiguous. Token `i` of a sequence whose new tokens start at position `p` attends to
-//! cache positions `0..=p + i`. The softmax is computed online, one block at a time (running
-//! maximum and sum), so it is numerically stable for any context length, and the query heads
-//! of one GQA group share every K/V row read. Work is split over (token, KV head) pairs, and
+//! cache positions `0..=p + i`. A work item scores its whole span first and subtracts each
+//! head's maximum before the exponential, so the softmax is numerically stable for any context
+//! length, and the query heads of one GQA group share every K/V row read. Work is split over
+//! (token, KV head) pairs, and
 //! when there are too few of them to keep every thread busy (a decode step of a model with two
 //! or three KV heads) also over chunks of each pair's context, whose softmax states (maximum,
 //! sum, unnormalised output) are merged afterwards.
+
+use std::cell::RefCell;
 
 use super::parallel::{current_threads, for_each_range, DisjointOut};
 use super::{axpy, dot, exp_portable, prefetch_lines, KvElem};
@@ -242,18 +245,23 @@ fn attend_blocks_portable<T: KvElem>(
     span: Span,
     state: &mut SoftmaxState,
 ) {
+    let hd = kv.head_dim;
     let ops = BlockOps {
-        scores: |q: &[f32], k: &[T], scale: f32, scores: &mut [f32]| {
-            let mut max = f32::NEG_INFINITY;
-            for (score, k) in scores.iter_mut().zip(k.chunks_exact(q.len())) {
-                *score = dot(q, k) * scale;
-                max = max.max(*score);
+        scores: |q: &[f32], k: &[T], scale: f32, out: &mut [f32], stride: usize| {
+            let mut max = [f32::NEG_INFINITY; 2];
+            for (h, q) in q.chunks_exact(hd).enumerate() {
+                for (i, k) in k.chunks_exact(hd).enumerate() {
+                    out[h * stride + i] = dot(q, k) * scale;
+                    max[h] = max[h].max(out[h * stride + i]);
+                }
             }
             max
         },
-        values: |acc: &mut [f32], w: &[f32], v: &[T]| {
-            for (&w, v) in w.iter().zip(v.chunks_exact(acc.len())) {
-                axpy(acc, w, v);
+        values: |acc: &mut [f32], w: &[f32], stride: usize, v: &[T]| {
+            for (h, acc) in acc.chunks_exact_mut(hd).enumerate() {
+                for (&w, v) in w[h * stride..].iter().zip(v.chunks_exact(hd)) {
+                    axpy(acc, w, v);
+                }
             }
         },
         exp: exp_portable,
@@ -261,9 +269,11 @@ fn attend_blocks_portable<T: KvElem>(
     attend_blocks_with(ops, q, out, kv, span, state)
 }
 
-/// [`attend_blocks`] compiled for AVX2, FMA and F16C, for head sizes a multiple of 8: the
-/// scores of eight cache rows come from eight accumulators reduced together, and a head's
-/// output stays in registers across a block's rows.
+/// [`attend_blocks`] compiled for AVX2, FMA and F16C, for head sizes a multiple of 8. Query
+/// heads go two at a time, so every K or V vector loaded (and converted from f16) serves both:
+/// four rows' scores for the two heads come from eight accumulators reduced together, and the
+/// two heads' outputs stay in registers 32 columns at a time across a block's rows. An odd
+/// last head goes alone (eight rows' scores at once, 64 output columns in registers).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `kv.head_dim` must be a multiple of 8.
@@ -279,30 +289,53 @@ unsafe fn attend_blocks_avx2<T: KvElem>(
     use super::avx2;
     // SAFETY (of the calls): this function only runs where AVX2, FMA and F16C are available,
     // with rows of a multiple of 8 elements.
+    let hd = kv.head_dim;
     let ops = BlockOps {
-        scores: |q: &[f32], k: &[T], scale: f32, scores: &mut [f32]| unsafe {
-            avx2::scores(q, k, scale, scores)
+        scores: |q: &[f32], k: &[T], scale: f32, out: &mut [f32], stride: usize| unsafe {
+            if q.len() == hd {
+                [avx2::scores(q, k, scale, &mut out[..k.len() / hd]), 0.0]
+            } else {
+                avx2::scores_pair(q, k, scale, out, stride)
+            }
         },
-        values: |acc: &mut [f32], w: &[f32], v: &[T]| unsafe { avx2::weighted_sum(acc, w, v) },
+        values: |acc: &mut [f32], w: &[f32], stride: usize, v: &[T]| unsafe {
+            if acc.len() == hd {
+                avx2::weighted_sum(acc, &w[..v.len() / hd], v)
+            } else {
+                avx2::weighted_sum_pair(acc, w, stride, v)
+            }
+        },
         exp: |xs: &mut [f32]| unsafe { avx2::exp(xs) },
     };
     attend_blocks_with(ops, q, out, kv, span, state)
 }
 
-/// The vector work of one head over one block's rows, passed into [`attend_blocks_with`] so
-/// each instruction set's entry point inlines its own and dispatches once per work item.
+/// The vector work of one or two query heads over one block's rows, passed into
+/// [`attend_blocks_with`] so each instruction set's entry point inlines its own and dispatches
+/// once per work item.
 struct BlockOps<S, V, E> {
-    /// `scores[i] = scale · (q · k[i])` for the `scores.len()` rows of `k` (`q.len()` each);
-    /// returns the largest.
+    /// For the one or two query heads in `q` (`hd` values each) and every row `i` of `k`,
+    /// `out[h · stride + i] = scale · (q[h] · k[i])`; returns each head's largest (the second
+    /// unused for one head).
     scores: S,
-    /// `acc += Σ w[i] · v[i]` over the `w.len()` rows of `v` (`acc.len()` each).
+    /// For the one or two heads in `acc` (`hd` values each), `acc[h] += Σ w[h · stride + i] ·
+    /// v[i]` over the rows `i` of `v`.
     values: V,
     /// `xs[i] = exp(xs[i])`; returns their sum.
     exp: E,
 }
 
-/// The body of [`attend_blocks`]: the online softmax over the span's blocks, one query head
-/// of the group at a time (a block's K and V rows stay in L1 across the group's heads).
+/// Blocks ahead of the one being read whose rows are requested: a sequence's blocks lie
+/// anywhere in the pool, a few KB each, too short for the hardware prefetcher. (A decode
+/// step's K/V is cold: the weights streamed through the caches since the last step.)
+const PREFETCH_BLOCKS: usize = 2;
+
+/// The body of [`attend_blocks`], in two passes over the span: every position's score for
+/// every query head of the group, two heads at a time (a block's K rows stay in L1 across the
+/// pairs), each head's softmax over all of its scores at once, then the weighted sum of the V
+/// rows (a block's rows again serving every pair). Keeping the span's scores (4 bytes per position and head,
+/// in a per-thread buffer) saves an online softmax's per-block work: a maximum, a scalar
+/// `exp` and a rescaling of the output for every block and head.
 #[inline(always)]
 fn attend_blocks_with<T: KvElem, S, V, E>(
     ops: BlockOps<S, V, E>,
@@ -312,10 +345,14 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
     span: Span,
     state: &mut SoftmaxState,
 ) where
-    S: Fn(&[f32], &[T], f32, &mut [f32]) -> f32,
-    V: Fn(&mut [f32], &[f32], &[T]),
+    S: Fn(&[f32], &[T], f32, &mut [f32], usize) -> [f32; 2],
+    V: Fn(&mut [f32], &[f32], usize, &[T]),
     E: Fn(&mut [f32]) -> f32,
 {
+    thread_local! {
+        /// Scores of a span, grown, never shrunk (steady-state calls allocate nothing).
+        static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
     let hd = kv.head_dim;
     let bs = kv.block_size;
     let group = q.len() / hd;
@@ -326,45 +363,69 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
         ctx,
         scale,
     } = span;
-    let mut scores = [0f32; MAX_BLOCK_SIZE];
-    // Block `bi`'s K and V rows (`None` past the context).
+    let n_blocks = blocks.len().min(ctx.saturating_sub(first_pos).div_ceil(bs));
+    if n_blocks == 0 {
+        return;
+    }
+    let positions = (ctx - first_pos).min(n_blocks * bs);
+    // Where block `bi`'s rows lie in the layer's K (and V).
     let rows = |bi: usize| {
-        let start = first_pos + bi * bs;
-        let &block = blocks.get(bi).filter(|_| start < ctx)?;
-        let n = bs.min(ctx - start);
-        let base = kv.block_offset(block, kv_head);
-        Some((&kv.k[base..base + n * hd], &kv.v[base..base + n * hd]))
+        let base = kv.block_offset(blocks[bi], kv_head);
+        base..base + bs.min(positions - bi * bs) * hd
     };
-    for bi in 0..blocks.len() {
-        let Some((k_rows, v_rows)) = rows(bi) else {
-            break;
-        };
-        let n = k_rows.len() / hd;
-        // A sequence's blocks lie anywhere in the pool, a few KB each, too short for the
-        // hardware prefetcher: this block's V rows (read after its scores) and the next
-        // block's rows are requested now. (A decode step's K/V is cold: the weights streamed
-        // through the caches since the last step.)
-        prefetch_lines(v_rows.as_ptr(), std::mem::size_of_val(v_rows));
-        if let Some((k_next, v_next)) = rows(bi + 1) {
-            prefetch_lines(k_next.as_ptr(), std::mem::size_of_val(k_next));
-            prefetch_lines(v_next.as_ptr(), std::mem::size_of_val(v_next));
+    let prefetch = |cache: &[T], bi: usize| {
+        if bi < n_blocks {
+            let rows = &cache[rows(bi)];
+            prefetch_lines(rows.as_ptr(), std::mem::size_of_val(rows));
         }
-        let scores = &mut scores[..n];
-        for h in 0..group {
-            let acc = &mut out[h * hd..(h + 1) * hd];
-            let block_max = (ops.scores)(&q[h * hd..(h + 1) * hd], k_rows, scale, scores);
-            let new_max = state.max[h].max(block_max);
-            let correction = (state.max[h] - new_max).exp();
+    };
+    SCORES.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        if buf.len() < (positions + 1) * group {
+            buf.resize((positions + 1) * group, 0.0);
+        }
+        // Each head's largest score, then head `h`'s scores at `scores[h * positions..]`.
+        let (maxima, scores) = buf[..(positions + 1) * group].split_at_mut(group);
+        maxima.copy_from_slice(&state.max);
+        (0..PREFETCH_BLOCKS).for_each(|bi| prefetch(kv.k, bi));
+        for bi in 0..n_blocks {
+            prefetch(kv.k, bi + PREFETCH_BLOCKS);
+            let k_rows = &kv.k[rows(bi)];
+            for h in (0..group).step_by(2) {
+                let heads = (group - h).min(2);
+                let s = &mut scores[h * positions + bi * bs..];
+                let top = (ops.scores)(&q[h * hd..(h + heads) * hd], k_rows, scale, s, positions);
+                for (max, top) in maxima[h..h + heads].iter_mut().zip(top) {
+                    *max = max.max(top);
+                }
+            }
+        }
+        // The first V rows come in while the softmax runs.
+        (0..PREFETCH_BLOCKS).for_each(|bi| prefetch(kv.v, bi));
+        for (h, &max) in maxima.iter().enumerate() {
+            // A state carried in from an earlier span is rescaled to the new maximum.
+            let correction = (state.max[h] - max).exp();
             if correction != 1.0 {
-                acc.iter_mut().for_each(|a| *a *= correction);
+                out[h * hd..(h + 1) * hd]
+                    .iter_mut()
+                    .for_each(|a| *a *= correction);
                 state.sum[h] *= correction;
             }
-            scores.iter_mut().for_each(|s| *s -= new_max);
-            state.sum[h] += (ops.exp)(scores);
-            (ops.values)(acc, scores, v_rows);
-            state.max[h] = new_max;
+            let s = &mut scores[h * positions..(h + 1) * positions];
+            s.iter_mut().for_each(|s| *s -= max);
+            state.sum[h] += (ops.exp)(s);
+            state.max[h] = max;
         }
-    }
+        for bi in 0..n_blocks {
+            prefetch(kv.v, bi + PREFETCH_BLOCKS);
+            let v_rows = &kv.v[rows(bi)];
+            for h in (0..group).step_by(2) {
+                let heads = (group - h).min(2);
+                let w = &scores[h * positions + bi * bs..];
+                (ops.values)(&mut out[h * hd..(h + heads) * hd], w, positions, v_rows);
+            }
+        }
+    });
 }
 
 #[cfg(test)]

@@ -166,6 +166,70 @@ pub(crate) mod avx2 {
         lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max)
     }
 
+    /// [`scores`] for two query heads at once (`q` holds both, `hd` each): every K row loaded
+    /// serves both heads, four rows at a time. Head `h`'s scores go to `out[h * stride..]`
+    /// (`k.len() / hd` of them); returns each head's largest.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `out` must hold `stride + k.len() / hd`
+    /// elements.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn scores_pair<T: KvElem>(
+        q: &[f32],
+        k: &[T],
+        scale: f32,
+        out: &mut [f32],
+        stride: usize,
+    ) -> [f32; 2] {
+        let hd = q.len() / 2;
+        let n = k.len() / hd;
+        assert!(hd.is_multiple_of(8) && out.len() >= stride + n && stride >= n);
+        let (q0, q1) = (q.as_ptr(), q.as_ptr().add(hd));
+        let scale = _mm256_set1_ps(scale);
+        let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut r0 = 0;
+        while r0 < n {
+            let rows = (n - r0).min(4);
+            // Past the last row, the slots repeat it; their scores are dropped.
+            let row: [*const T; 4] =
+                std::array::from_fn(|i| k.as_ptr().add((r0 + i.min(rows - 1)) * hd));
+            // acc[i]: head 0 and row i; acc[4 + i]: head 1 and row i.
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut c = 0;
+            while c < hd {
+                let a = _mm256_loadu_ps(q0.add(c));
+                let b = _mm256_loadu_ps(q1.add(c));
+                for (i, row) in row.iter().enumerate() {
+                    let x = load8(row.add(c));
+                    acc[i] = _mm256_fmadd_ps(a, x, acc[i]);
+                    acc[4 + i] = _mm256_fmadd_ps(b, x, acc[4 + i]);
+                }
+                c += 8;
+            }
+            // Lanes 0..4: head 0's rows; lanes 4..8: head 1's.
+            let sums = _mm256_mul_ps(sum_lanes8(&acc), scale);
+            max = _mm256_max_ps(max, sums);
+            if rows == 4 {
+                _mm_storeu_ps(out[r0..r0 + 4].as_mut_ptr(), _mm256_castps256_ps128(sums));
+                let high = _mm256_extractf128_ps::<1>(sums);
+                _mm_storeu_ps(out[stride + r0..stride + r0 + 4].as_mut_ptr(), high);
+            } else {
+                let mut all = [0f32; 8];
+                _mm256_storeu_ps(all.as_mut_ptr(), sums);
+                for i in 0..rows {
+                    out[r0 + i] = all[i];
+                    out[stride + r0 + i] = all[4 + i];
+                }
+            }
+            r0 += 4;
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), max);
+        let top = |l: &[f32]| l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        [top(&lanes[..4]), top(&lanes[4..])]
+    }
+
     /// The lane sums of eight vectors, as one vector: lane `i` holds the sum of `a[i]`.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -228,6 +292,66 @@ pub(crate) mod avx2 {
         }
         for (j, a) in a.iter().enumerate() {
             _mm256_storeu_ps(acc.add(8 * j), *a);
+        }
+    }
+
+    /// [`weighted_sum`] for two heads at once: `acc` holds both heads' outputs (`hd` each),
+    /// head `h`'s weights are `w[h * stride..]` (`v.len() / hd` of them); every V row loaded
+    /// serves both heads, 32 (or 8) columns at a time.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn weighted_sum_pair<T: KvElem>(
+        acc: &mut [f32],
+        w: &[f32],
+        stride: usize,
+        v: &[T],
+    ) {
+        let hd = acc.len() / 2;
+        let n = v.len() / hd;
+        assert!(hd.is_multiple_of(8) && w.len() >= stride + n && stride >= n);
+        let (w0, w1) = (&w[..n], &w[stride..stride + n]);
+        let (a0, a1) = acc.split_at_mut(hd);
+        let mut c = 0;
+        while c + 32 <= hd {
+            weighted_sum_pair_cols::<T, 4>(a0, a1, c, (w0, w1), v.as_ptr().add(c), hd);
+            c += 32;
+        }
+        while c < hd {
+            weighted_sum_pair_cols::<T, 1>(a0, a1, c, (w0, w1), v.as_ptr().add(c), hd);
+            c += 8;
+        }
+    }
+
+    /// [`weighted_sum_pair`] over `8 · N` columns from column `c` of both outputs and from
+    /// each row of `v` (rows `stride` apart).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weighted_sum_pair_cols<T: KvElem, const N: usize>(
+        a0: &mut [f32],
+        a1: &mut [f32],
+        c: usize,
+        (w0, w1): (&[f32], &[f32]),
+        v: *const T,
+        stride: usize,
+    ) {
+        let (p0, p1) = (a0[c..c + 8 * N].as_mut_ptr(), a1[c..c + 8 * N].as_mut_ptr());
+        let mut s0: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(p0.add(8 * j)));
+        let mut s1: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(p1.add(8 * j)));
+        for (i, (&x0, &x1)) in w0.iter().zip(w1).enumerate() {
+            let (x0, x1) = (_mm256_set1_ps(x0), _mm256_set1_ps(x1));
+            let row = v.add(i * stride);
+            for j in 0..N {
+                let x = load8(row.add(8 * j));
+                s0[j] = _mm256_fmadd_ps(x0, x, s0[j]);
+                s1[j] = _mm256_fmadd_ps(x1, x, s1[j]);
+            }
+        }
+        for j in 0..N {
+            _mm256_storeu_ps(p0.add(8 * j), s0[j]);
+            _mm256_storeu_ps(p1.add(8 * j), s1[j]);
         }
     }
 
