@@ -8,9 +8,40 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 use tokenrouter::kernels::attention::{paged_attention, AttentionSeq, PagedKv};
+use tokenrouter::kernels::KvElem;
 
 const HEAD_DIM: usize = 64;
 const BLOCK: usize = 16;
+
+/// One decode token per sequence, the last of `ctx` positions held in its blocks.
+fn decode_seqs(tables: &[Vec<u32>], ctx: usize) -> Vec<AttentionSeq<'_>> {
+    tables
+        .iter()
+        .map(|t| AttentionSeq {
+            blocks: t,
+            start_pos: ctx - 1,
+            num_tokens: 1,
+        })
+        .collect()
+}
+
+/// `heads` random query heads.
+fn query(rng: &mut impl Rng, heads: usize) -> Vec<f32> {
+    (0..heads * HEAD_DIM)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect()
+}
+
+/// A layer's cache of `kv_heads` heads in this bench's block and head sizes.
+fn paged<'a, T: KvElem>(k: &'a [T], v: &'a [T], kv_heads: usize) -> PagedKv<'a, T> {
+    PagedKv {
+        k,
+        v,
+        block_size: BLOCK,
+        num_kv_heads: kv_heads,
+        head_dim: HEAD_DIM,
+    }
+}
 
 fn decode(c: &mut Criterion) {
     let mut group = c.benchmark_group("paged_attention_decode");
@@ -36,25 +67,10 @@ fn decode(c: &mut Criterion) {
         let tables: Vec<Vec<u32>> = (0..batch)
             .map(|s| ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect())
             .collect();
-        let seqs: Vec<AttentionSeq> = tables
-            .iter()
-            .map(|t| AttentionSeq {
-                blocks: t,
-                start_pos: ctx - 1,
-                num_tokens: 1,
-            })
-            .collect();
-        let q: Vec<f32> = (0..batch * heads * HEAD_DIM)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
+        let seqs = decode_seqs(&tables, ctx);
+        let q = query(&mut rng, batch * heads);
         let mut out = vec![0f32; q.len()];
-        let kv = PagedKv {
-            k: &k,
-            v: &v,
-            block_size: BLOCK,
-            num_kv_heads: kv_heads,
-            head_dim: HEAD_DIM,
-        };
+        let kv = paged(&k, &v, kv_heads);
         let bytes = (batch * ctx * kv_heads * HEAD_DIM * 2 * 4) as u64;
         group.throughput(Throughput::Bytes(bytes));
         let id = format!("h{heads}_kv{kv_heads}_b{batch}_ctx{ctx}");
@@ -64,13 +80,7 @@ fn decode(c: &mut Criterion) {
         // The same values stored as f16 (the default cache type): half the bytes.
         let k16: Vec<half::f16> = k.iter().map(|&x| half::f16::from_f32(x)).collect();
         let v16: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
-        let kv16 = PagedKv {
-            k: &k16,
-            v: &v16,
-            block_size: BLOCK,
-            num_kv_heads: kv_heads,
-            head_dim: HEAD_DIM,
-        };
+        let kv16 = paged(&k16, &v16, kv_heads);
         group.bench_with_input(BenchmarkId::new("paged_f16", &id), &(), |bench, _| {
             bench.iter(|| paged_attention(&q, heads, &kv16, &seqs, 0.125, &mut out))
         });
@@ -118,31 +128,16 @@ fn decode_cold(c: &mut Criterion) {
                     .collect()
             })
             .collect();
-        let q: Vec<f32> = (0..batch * heads * HEAD_DIM)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
+        let q = query(&mut rng, batch * heads);
         let mut out = vec![0f32; q.len()];
-        let kv = PagedKv {
-            k: &k,
-            v: &v,
-            block_size: BLOCK,
-            num_kv_heads: kv_heads,
-            head_dim: HEAD_DIM,
-        };
+        let kv = paged(&k, &v, kv_heads);
         group.throughput(Throughput::Bytes((copy_elems * 2 * 2) as u64));
         let id = format!("h{heads}_kv{kv_heads}_b{batch}_ctx{ctx}");
         let mut next = 0;
         group.bench_with_input(BenchmarkId::new("paged_f16", &id), &(), |bench, _| {
             bench.iter(|| {
                 next = (next + 1) % copies;
-                let seqs: Vec<AttentionSeq> = tables[next]
-                    .iter()
-                    .map(|t| AttentionSeq {
-                        blocks: t,
-                        start_pos: ctx - 1,
-                        num_tokens: 1,
-                    })
-                    .collect();
+                let seqs = decode_seqs(&tables[next], ctx);
                 paged_attention(&q, heads, &kv, &seqs, 0.125, &mut out)
             })
         });
