@@ -333,9 +333,9 @@ const PREFETCH_BLOCKS: usize = 2;
 /// The body of [`attend_blocks`], in two passes over the span: every position's score for
 /// every query head of the group, two heads at a time (a block's K rows stay in L1 across the
 /// pairs), each head's softmax over all of its scores at once, then the weighted sum of the V
-/// rows (a block's rows again serving every pair). Keeping the span's scores (4 bytes per position and head,
-/// in a per-thread buffer) saves an online softmax's per-block work: a maximum, a scalar
-/// `exp` and a rescaling of the output for every block and head.
+/// rows (a block's rows again serving every pair). Keeping the span's scores (4 bytes per
+/// position and head, in a per-thread buffer) saves an online softmax's per-block work: a
+/// maximum, a scalar `exp` and a rescaling of the output for every block and head.
 #[inline(always)]
 fn attend_blocks_with<T: KvElem, S, V, E>(
     ops: BlockOps<S, V, E>,
@@ -646,6 +646,54 @@ mod tests {
             let best = run(attend_blocks);
             for (a, b) in portable.iter().zip(&best) {
                 assert!((a - b).abs() < 1e-5, "hd={hd}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// Attending to a span's blocks in two calls that carry one softmax state gives what one
+    /// call over all of them gives (the second call rescales the first's output and sum).
+    #[test]
+    fn a_state_carried_across_spans_matches_one_span() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let (bs, group, hd) = (16, 3, 64);
+        let k: Vec<f32> = (0..4 * bs * hd)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
+        let v: Vec<f32> = (0..4 * bs * hd)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
+        let q: Vec<f32> = (0..group * hd)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
+        let kv = PagedKv {
+            k: &k,
+            v: &v,
+            block_size: bs,
+            num_kv_heads: 1,
+            head_dim: hd,
+        };
+        let blocks = [3, 1, 0, 2];
+        let span = |from: usize, to: usize| Span {
+            blocks: &blocks[from..to],
+            first_pos: from * bs,
+            kv_head: 0,
+            ctx: 57,
+            scale: 0.4,
+        };
+        let run = |f: fn(&[f32], &mut [f32], &PagedKv, Span, &mut SoftmaxState), spans: &[Span]| {
+            let mut out = vec![0f32; q.len()];
+            let mut state = SoftmaxState::new(group);
+            for &span in spans {
+                f(&q, &mut out, &kv, span, &mut state);
+            }
+            state.normalise(&mut out, hd);
+            out
+        };
+        for f in [attend_blocks_portable::<f32>, attend_blocks::<f32>] {
+            let whole = run(f, &[span(0, 4)]);
+            let halves = run(f, &[span(0, 2), span(2, 4)]);
+            for (a, b) in whole.iter().zip(&halves) {
+                assert!((a - b).abs() < 1e-5, "{a} vs {b}");
             }
         }
     }
