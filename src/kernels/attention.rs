@@ -379,6 +379,8 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
             prefetch_lines(rows.as_ptr(), std::mem::size_of_val(rows));
         }
     };
+    // The group's heads, two at a time (an odd last one alone).
+    let head_pairs = || (0..group).step_by(2).map(move |h| h..(h + 2).min(group));
     SCORES.with(|cell| {
         let mut buf = cell.borrow_mut();
         if buf.len() < (positions + 1) * group {
@@ -391,11 +393,11 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
         for bi in 0..n_blocks {
             prefetch(kv.k, bi + PREFETCH_BLOCKS);
             let k_rows = &kv.k[rows(bi)];
-            for h in (0..group).step_by(2) {
-                let heads = (group - h).min(2);
-                let s = &mut scores[h * positions + bi * bs..];
-                let top = (ops.scores)(&q[h * hd..(h + heads) * hd], k_rows, scale, s, positions);
-                for (max, top) in maxima[h..h + heads].iter_mut().zip(top) {
+            for heads in head_pairs() {
+                let s = &mut scores[heads.start * positions + bi * bs..];
+                let q = &q[heads.start * hd..heads.end * hd];
+                let top = (ops.scores)(q, k_rows, scale, s, positions);
+                for (max, top) in maxima[heads].iter_mut().zip(top) {
                     *max = max.max(top);
                 }
             }
@@ -419,10 +421,10 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
         for bi in 0..n_blocks {
             prefetch(kv.v, bi + PREFETCH_BLOCKS);
             let v_rows = &kv.v[rows(bi)];
-            for h in (0..group).step_by(2) {
-                let heads = (group - h).min(2);
-                let w = &scores[h * positions + bi * bs..];
-                (ops.values)(&mut out[h * hd..(h + heads) * hd], w, positions, v_rows);
+            for heads in head_pairs() {
+                let w = &scores[heads.start * positions + bi * bs..];
+                let acc = &mut out[heads.start * hd..heads.end * hd];
+                (ops.values)(acc, w, positions, v_rows);
             }
         }
     });
