@@ -190,6 +190,17 @@ fn one_kv_head(
     (k, v, random(group * hd))
 }
 
+/// The cache view of [`one_kv_head`]'s K and V.
+fn one_kv_head_view<'a>(k: &'a [f32], v: &'a [f32], bs: usize, hd: usize) -> PagedKv<'a> {
+    PagedKv {
+        k,
+        v,
+        block_size: bs,
+        num_kv_heads: 1,
+        head_dim: hd,
+    }
+}
+
 /// `body` over `spans` in turn, carrying one softmax state; the normalised output.
 fn attend_spans(body: Body, q: &[f32], kv: &PagedKv, spans: &[Span], group: usize) -> Vec<f32> {
     let mut out = vec![0f32; q.len()];
@@ -207,13 +218,7 @@ fn portable_and_simd_work_items_agree() {
     for hd in [64, 128] {
         let (bs, group) = (16, 3);
         let (k, v, q) = one_kv_head(&mut rng, bs, group, hd);
-        let kv = PagedKv {
-            k: &k,
-            v: &v,
-            block_size: bs,
-            num_kv_heads: 1,
-            head_dim: hd,
-        };
+        let kv = one_kv_head_view(&k, &v, bs, hd);
         let span = Span {
             blocks: &[2, 0, 3],
             first_pos: 0,
@@ -236,13 +241,7 @@ fn a_state_carried_across_spans_matches_one_span() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
     let (bs, group, hd) = (16, 3, 64);
     let (k, v, q) = one_kv_head(&mut rng, bs, group, hd);
-    let kv = PagedKv {
-        k: &k,
-        v: &v,
-        block_size: bs,
-        num_kv_heads: 1,
-        head_dim: hd,
-    };
+    let kv = one_kv_head_view(&k, &v, bs, hd);
     let blocks = [3, 1, 0, 2];
     let span = |from: usize, to: usize| Span {
         blocks: &blocks[from..to],
