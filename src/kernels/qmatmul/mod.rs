@@ -49,6 +49,9 @@ pub const QK: usize = 32;
 pub const COL_GROUP: usize = 4;
 /// The most dot products one register tile computes (weight rows × activation rows).
 pub const MAX_TILE: usize = 8;
+/// Activations of one matmul from which their quantization is spread over the pool (a
+/// parallel call costs about a microsecond, a 576-value row's quantization about half one).
+const PARALLEL_QUANTIZE_VALUES: usize = 2048;
 /// Bytes of weights a task passes every row tile over before it moves on: well inside L2.
 const WEIGHT_SLICE_BYTES: usize = 96 * 1024;
 
@@ -59,6 +62,11 @@ pub trait ActFormat: Copy + Send + Sync + 'static {
     const ZERO: Self;
     /// Quantizes `LEN` values into `out`.
     fn quantize(x: &[f32], out: &mut Self);
+    /// Quantizes a row of `out.len()` blocks, as [`quantize`](Self::quantize) does block by
+    /// block (a format with a faster whole-row path gives the same bytes).
+    fn quantize_row(x: &[f32], out: &mut [Self]) {
+        quantize_blocks(x, out)
+    }
     /// Value `i` as quantized (`d · q`).
     fn value(&self, i: usize) -> f32;
 }
@@ -123,6 +131,16 @@ impl ActFormat for ActBlock {
         block.sum = sum;
     }
 
+    fn quantize_row(x: &[f32], out: &mut [Self]) {
+        #[cfg(target_arch = "x86_64")]
+        if Isa::best() != Isa::Scalar {
+            debug_assert_eq!(x.len(), out.len() * QK);
+            // SAFETY: every SIMD `Isa` includes AVX2 and F16C.
+            return unsafe { avx2::quantize_row_q8_1(x, out) };
+        }
+        quantize_blocks(x, out)
+    }
+
     fn value(&self, i: usize) -> f32 {
         self.d * self.qs[i] as f32
     }
@@ -153,6 +171,11 @@ pub fn quantize_i8_scalar(xs: &[f32], qs: &mut [i8]) -> f32 {
 /// Quantizes one row of activations (a whole number of blocks).
 pub fn quantize_row<A: ActFormat>(x: &[f32], out: &mut [A]) {
     debug_assert_eq!(x.len(), out.len() * A::LEN);
+    A::quantize_row(x, out)
+}
+
+/// Quantizes a row block by block ([`ActFormat::quantize`]).
+fn quantize_blocks<A: ActFormat>(x: &[f32], out: &mut [A]) {
     for (xs, block) in x.chunks_exact(A::LEN).zip(out.iter_mut()) {
         A::quantize(xs, block);
     }
@@ -344,12 +367,32 @@ fn run<K: QuantKernel + ?Sized>(kernel: &K, isa: Isa, x: &[f32], out: &mut [f32]
     }
     let kb = cols / K::Act::LEN;
     with_scratch::<K::Act>(m * kb, |acts| {
-        for (row, a) in x.chunks_exact(cols).zip(acts.chunks_exact_mut(kb)) {
-            quantize_row(row, a);
-        }
+        quantize_rows(x, cols, acts);
         // SAFETY: `isa` is available (`Isa::best`, or checked by `matmul_with`), and the
         // lengths are asserted above.
         unsafe { kernel.matmul_quantized(acts, m, out, isa) }
+    });
+}
+
+/// Quantizes the rows of `x` (`cols` values each) into `acts`, spread over the pool when
+/// there are enough values to pay for a parallel call.
+fn quantize_rows<A: ActFormat>(x: &[f32], cols: usize, acts: &mut [A]) {
+    let kb = cols / A::LEN;
+    let m = x.len() / cols;
+    if m < 2 || x.len() < PARALLEL_QUANTIZE_VALUES {
+        for (row, a) in x.chunks_exact(cols).zip(acts.chunks_exact_mut(kb)) {
+            quantize_row(row, a);
+        }
+        return;
+    }
+    let out = DisjointOut::new(acts);
+    for_each_range(m, |rows| {
+        for row in rows {
+            // SAFETY: row `row`'s `kb` blocks are this task's alone and lie inside `acts`
+            // (`m · kb` blocks, as `run` sized it).
+            let a = unsafe { out.slice(row * kb, kb) };
+            quantize_row(&x[row * cols..(row + 1) * cols], a);
+        }
     });
 }
 

@@ -360,3 +360,38 @@ fn activation_rounding_matches_the_scalar_loop() {
         assert_eq!(fast, slow, "case {case}");
     }
 }
+
+/// A row quantized at once (the SIMD path where the CPU has one) gives every block exactly as
+/// the scalar loop and `half`'s f16 rounding do: values, scale, offset term and sum.
+#[test]
+fn row_quantization_matches_the_scalar_blocks() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+    for case in 0..50 {
+        let blocks = 1 + case % 7;
+        // Every third case all positive: sums above 2048, where f16 rounds integers.
+        let shift = if case % 3 == 2 { 6.0 } else { 0.0 };
+        let mut x: Vec<f32> = (0..blocks * QK)
+            .map(|_| (rng.random_range(-3.0..3.0) + shift) * (1 + case % 4) as f32)
+            .collect();
+        // An all-zero block, and one of exact halves after scaling.
+        x[..QK].fill(0.0);
+        if blocks > 1 {
+            x[QK] = 127.0;
+            for (i, v) in x[QK + 1..2 * QK].iter_mut().enumerate() {
+                *v = i as f32 - 15.5;
+            }
+        }
+        let mut fast = vec![ActBlock::ZERO; blocks];
+        quantize_row(&x, &mut fast);
+        for (b, (got, xs)) in fast.iter().zip(x.chunks_exact(QK)).enumerate() {
+            let mut qs = [0i8; QK];
+            let d = half::f16::from_f32(quantize_i8_scalar(xs, &mut qs));
+            let sum: i32 = qs.iter().map(|&q| q as i32).sum();
+            let s = (half::f16::from_f32(sum as f32) * d).to_f32();
+            assert_eq!(got.qs, qs, "case {case} block {b}");
+            assert_eq!(got.d.to_bits(), d.to_f32().to_bits(), "case {case} block {b}");
+            assert_eq!(got.s.to_bits(), s.to_bits(), "case {case} block {b}");
+            assert_eq!(got.sum, sum, "case {case} block {b}");
+        }
+    }
+}
