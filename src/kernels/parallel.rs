@@ -121,6 +121,24 @@ impl ComputePool {
     /// Calls `f` on disjoint ranges covering `0..n_items` on this pool's threads; returns
     /// when all are done. A panic in `f` on any thread panics here.
     pub fn for_each_range(&self, n_items: usize, f: impl Fn(Range<usize>) + Sync) {
+        self.for_each_range_with(n_items, self.min_chunk(n_items), f)
+    }
+
+    /// The smallest chunk a grab takes unless the caller says otherwise: a sixteenth of a
+    /// thread's share.
+    pub fn min_chunk(&self, n_items: usize) -> usize {
+        n_items.div_ceil(16 * self.threads())
+    }
+
+    /// [`for_each_range`](Self::for_each_range) whose grabs take at least `min_chunk` items
+    /// (the last grabs of a call take that many, so it bounds how long one thread may still
+    /// work after the others ran dry).
+    pub fn for_each_range_with(
+        &self,
+        n_items: usize,
+        min_chunk: usize,
+        f: impl Fn(Range<usize>) + Sync,
+    ) {
         if n_items == 0 {
             return;
         }
@@ -133,7 +151,7 @@ impl ComputePool {
             f: &f,
             n: n_items,
             spread: 2 * threads,
-            min_chunk: n_items.div_ceil(16 * threads),
+            min_chunk: min_chunk.max(1),
             cursor: AtomicUsize::new(0),
         };
         let _one_job = self.call.lock().unwrap_or_else(|e| e.into_inner());
@@ -254,6 +272,13 @@ pub fn for_each_range(n_items: usize, f: impl Fn(Range<usize>) + Sync) {
     current_pool().for_each_range(n_items, f)
 }
 
+/// [`for_each_range`] with at most `max_chunk` items in the last grabs (fewer where the
+/// pool's own [`ComputePool::min_chunk`] is smaller).
+pub fn for_each_range_tail(n_items: usize, max_chunk: usize, f: impl Fn(Range<usize>) + Sync) {
+    let pool = current_pool();
+    pool.for_each_range_with(n_items, max_chunk.min(pool.min_chunk(n_items)), f)
+}
+
 /// This thread's pool: its own, or the process-wide one.
 fn current_pool() -> Arc<ComputePool> {
     CURRENT
@@ -317,6 +342,40 @@ mod tests {
                 "n = {n}"
             );
         }
+    }
+
+    /// A chosen chunk floor (0 read as 1, one larger than the job) still covers every item
+    /// once, and the tail floor never exceeds the pool's own.
+    #[test]
+    fn every_item_once_with_any_chunk_floor() {
+        let pool = ComputePool::new(2, "test");
+        for (n, min_chunk) in [
+            (1000usize, 0usize),
+            (1000, 1),
+            (1000, 7),
+            (5, 100),
+            (4097, 3),
+        ] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.for_each_range_with(n, min_chunk, |r| {
+                for i in r {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "n = {n}, floor {min_chunk}"
+            );
+        }
+        assert_eq!(pool.min_chunk(1000), 32);
+        with_pool(&pool, || {
+            let largest = AtomicUsize::new(0);
+            for_each_range_tail(1000, 1000, |r| {
+                largest.fetch_max(r.len(), Ordering::Relaxed);
+            });
+            // The first grab takes a quarter; a floor of 1000 would have taken everything.
+            assert!(largest.load(Ordering::Relaxed) < 1000);
+        });
     }
 
     /// Chunks shrink from a quarter of the items (two threads) to the floor, cover every item

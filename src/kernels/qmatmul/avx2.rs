@@ -287,7 +287,10 @@ unsafe fn quantize_i8_sum(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
         let w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storel_epi64(q.as_mut_ptr() as *mut __m128i, _mm_packs_epi16(w, w));
     }
-    let s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    let s = _mm_add_epi32(
+        _mm256_castsi256_si128(sum),
+        _mm256_extracti128_si256(sum, 1),
+    );
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
     (d, _mm_cvtsi128_si32(s))

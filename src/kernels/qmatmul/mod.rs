@@ -29,7 +29,7 @@ use std::ops::Range;
 
 use half::f16;
 
-use super::parallel::{for_each_range, DisjointOut};
+use super::parallel::{for_each_range, for_each_range_tail, DisjointOut};
 
 mod blocks;
 #[cfg(target_arch = "x86_64")]
@@ -52,6 +52,11 @@ pub const MAX_TILE: usize = 8;
 /// Activations of one matmul from which their quantization is spread over the pool (a
 /// parallel call costs about a microsecond, a 576-value row's quantization about half one).
 const PARALLEL_QUANTIZE_VALUES: usize = 2048;
+/// Most bytes of weights in the last chunks of a matmul's work (a sixteenth of a thread's
+/// share where that is less): about two microseconds of one thread's streaming at batch 1, so
+/// the caller seldom waits long for the last worker. A fixed fraction of the work made the
+/// LM head's last chunks about a megabyte each.
+const TAIL_CHUNK_BYTES: usize = 16 * 1024;
 /// Bytes of weights a task passes every row tile over before it moves on: well inside L2.
 const WEIGHT_SLICE_BYTES: usize = 96 * 1024;
 
@@ -409,7 +414,8 @@ fn for_each_slice_tile(
     f: impl Fn(Range<usize>, Range<usize>) + Sync,
 ) {
     let slice = (WEIGHT_SLICE_BYTES / item_bytes.max(1)).max(1);
-    for_each_range(n_items, |items| {
+    let tail = (TAIL_CHUNK_BYTES / item_bytes.max(1)).max(1);
+    for_each_range_tail(n_items, tail, |items| {
         let mut start = items.start;
         while start < items.end {
             let end = (start + slice).min(items.end);

@@ -389,7 +389,11 @@ fn row_quantization_matches_the_scalar_blocks() {
             let sum: i32 = qs.iter().map(|&q| q as i32).sum();
             let s = (half::f16::from_f32(sum as f32) * d).to_f32();
             assert_eq!(got.qs, qs, "case {case} block {b}");
-            assert_eq!(got.d.to_bits(), d.to_f32().to_bits(), "case {case} block {b}");
+            assert_eq!(
+                got.d.to_bits(),
+                d.to_f32().to_bits(),
+                "case {case} block {b}"
+            );
             assert_eq!(got.s.to_bits(), s.to_bits(), "case {case} block {b}");
             assert_eq!(got.sum, sum, "case {case} block {b}");
         }
