@@ -15,7 +15,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
-use tokenrouter::kernels::parallel::{with_pool, ComputePool};
+use tokenrouter::kernels::parallel::{with_pool, ComputePool, DisjointOut};
 use tokenrouter::kernels::qmatmul::{
     quantize_row, ActFormat, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0,
     Interleaved, Isa, PackedMatrix, QuantKernel, QuantMatrix, WeightBlock,
@@ -51,7 +51,8 @@ struct WithActs<K: QuantKernel> {
 
 impl<K: QuantKernel> Erased for WithActs<K> {
     unsafe fn run(&self, isa: Isa, m: usize, out: &mut [f32]) {
-        self.kernel.matmul_quantized(&self.acts, m, out, isa)
+        self.kernel
+            .matmul_quantized(&self.acts, m, DisjointOut::new(out), isa)
     }
 }
 

@@ -312,6 +312,12 @@ impl<T> DisjointOut<T> {
         Self(out.as_mut_ptr())
     }
 
+    /// Over memory not yet initialised (a vector's spare capacity): the tasks must write
+    /// every element before anyone reads it.
+    pub fn uninit(out: &mut [std::mem::MaybeUninit<T>]) -> Self {
+        Self(out.as_mut_ptr() as *mut T)
+    }
+
     /// The `len` elements starting at `offset`.
     ///
     /// # Safety

@@ -154,6 +154,8 @@ pub trait OwnKernel: Send + Sync {
     fn out_features(&self) -> usize;
     fn in_features(&self) -> usize;
     fn matmul(&self, x: &[f32], out: &mut [f32]);
+    /// The product in a new vector (`rows · out_features` values).
+    fn matmul_vec(&self, x: &[f32]) -> Vec<f32>;
     /// Row `row` dequantized into `out` (`in_features` values), where the layout supports it.
     fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool;
 }
@@ -167,6 +169,9 @@ impl<K: QuantKernel> OwnKernel for K {
     }
     fn matmul(&self, x: &[f32], out: &mut [f32]) {
         QuantKernel::matmul(self, x, out)
+    }
+    fn matmul_vec(&self, x: &[f32]) -> Vec<f32> {
+        QuantKernel::matmul_vec(self, x)
     }
     fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool {
         QuantKernel::dequantize_row(self, row, out)
@@ -261,8 +266,8 @@ impl Matmul {
     fn multiply(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         match self {
             Self::Own(kernel) => {
-                let mut out = vec![0f32; rows * kernel.out_features()];
-                kernel.matmul(x, &mut out);
+                let out = kernel.matmul_vec(x);
+                debug_assert_eq!(out.len(), rows * kernel.out_features());
                 Ok(out)
             }
             Self::Candle(m) => {

@@ -288,11 +288,10 @@ impl<B: WeightBlock> QuantKernel for QuantMatrix<B> {
         (*self.data).as_ref().len()
     }
 
-    unsafe fn matmul_quantized(&self, acts: &[B::Act], m: usize, out: &mut [f32], isa: Isa) {
+    unsafe fn matmul_quantized(&self, acts: &[B::Act], m: usize, out: DisjointOut, isa: Isa) {
         let kb = self.cols / Self::BLOCK;
         let n = self.rows;
         let blocks = self.blocks();
-        let out = DisjointOut::new(out);
         // Work items are groups of COL_GROUP output columns.
         let group_bytes = COL_GROUP * kb * std::mem::size_of::<B>();
         let tile_rows = |left| tile_shape::<B>(left).1;
@@ -313,7 +312,7 @@ impl<B: WeightBlock> QuantKernel for QuantMatrix<B> {
                     dot_tile(w, cols, row_acts, kb, &mut sums[..cols * rows], isa);
                     for row in 0..rows {
                         // SAFETY: columns col..col + cols of row r.start + row belong to this
-                        // task's items only, and lie inside `out` (m × n) by the asserts in `run`.
+                        // task's items only, and lie inside `out` (m × n values).
                         let dst = unsafe { out.slice((r.start + row) * n + col, cols) };
                         for (c, d) in dst.iter_mut().enumerate() {
                             *d = sums[c * rows + row];
@@ -343,38 +342,78 @@ pub trait QuantKernel: Send + Sync {
     /// The product for `m` rows of activations already quantized (`cols / Act::LEN` blocks
     /// each).
     ///
+    /// Writes every one of the `m · rows` values of `out`, which may be uninitialised.
+    ///
     /// # Safety
-    /// The CPU must support `isa`; `acts` holds `m · cols / Act::LEN` blocks and `out`
-    /// `m · rows` values (the kernels write through raw pointers).
-    unsafe fn matmul_quantized(&self, acts: &[Self::Act], m: usize, out: &mut [f32], isa: Isa);
+    /// The CPU must support `isa`; `acts` holds `m · cols / Act::LEN` blocks and `out` points
+    /// to `m · rows` values no one else accesses during the call (the kernels write through
+    /// raw pointers).
+    unsafe fn matmul_quantized(&self, acts: &[Self::Act], m: usize, out: DisjointOut, isa: Isa);
 
     /// With the best instruction set this CPU has.
     fn matmul(&self, x: &[f32], out: &mut [f32]) {
         // `best` only returns an instruction set the CPU has.
-        run(self, Isa::best(), x, out)
+        self.matmul_with(Isa::best(), x, out)
     }
 
     /// With a chosen instruction set (one of [`Isa::available`]).
     fn matmul_with(&self, isa: Isa, x: &[f32], out: &mut [f32]) {
         assert!(isa.is_available(), "{isa:?} is not available on this CPU");
-        run(self, isa, x, out)
+        let m = rows_of(self, x);
+        assert_eq!(out.len(), m * self.rows(), "output has the wrong size");
+        // SAFETY: `isa` is available; `out` holds the `m · rows` values, borrowed mutably.
+        unsafe { run(self, isa, x, m, DisjointOut::new(out)) }
+    }
+
+    /// The product in a new vector, written once (not zeroed first: at batch 16 zeroing
+    /// SmolLM2's logits alone cost as much as 3 % of a decode step).
+    fn matmul_vec(&self, x: &[f32]) -> Vec<f32> {
+        let m = rows_of(self, x);
+        let len = m * self.rows();
+        let mut out = Vec::with_capacity(len);
+        // SAFETY: `best` is available; the spare capacity holds `len` values, and the kernels
+        // write every one of them before the length is set.
+        unsafe {
+            run(
+                self,
+                Isa::best(),
+                x,
+                m,
+                DisjointOut::uninit(&mut out.spare_capacity_mut()[..len]),
+            );
+            out.set_len(len);
+        }
+        out
     }
 }
 
-/// Quantizes `x` into this thread's scratch buffer and multiplies, with an available `isa`.
-fn run<K: QuantKernel + ?Sized>(kernel: &K, isa: Isa, x: &[f32], out: &mut [f32]) {
-    let (rows, cols) = (kernel.rows(), kernel.cols());
+/// Rows of `x` for `kernel`, asserting that `x` is a whole number of them.
+fn rows_of<K: QuantKernel + ?Sized>(kernel: &K, x: &[f32]) -> usize {
+    let cols = kernel.cols();
     let m = x.len() / cols.max(1);
     assert_eq!(x.len(), m * cols, "input is not a whole number of rows");
-    assert_eq!(out.len(), m * rows, "output has the wrong size");
+    m
+}
+
+/// Quantizes `x` (`m` rows) into this thread's scratch buffer and multiplies into `out`.
+///
+/// # Safety
+/// The CPU must support `isa`; `out` points to `m · rows` values no one else accesses.
+unsafe fn run<K: QuantKernel + ?Sized>(
+    kernel: &K,
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    out: DisjointOut,
+) {
+    let cols = kernel.cols();
     if m == 0 {
         return;
     }
     let kb = cols / K::Act::LEN;
     with_scratch::<K::Act>(m * kb, |acts| {
         quantize_rows(x, cols, acts);
-        // SAFETY: `isa` is available (`Isa::best`, or checked by `matmul_with`), and the
-        // lengths are asserted above.
+        // SAFETY: as the caller promised; `acts` holds the `m · kb` blocks.
         unsafe { kernel.matmul_quantized(acts, m, out, isa) }
     });
 }

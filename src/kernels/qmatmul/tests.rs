@@ -101,7 +101,7 @@ fn check<B: WeightBlock>(rows: usize, cols: usize, batch: usize) {
     let x: Vec<f32> = (0..batch * cols)
         .map(|_| rng.random_range(-3.0..3.0))
         .collect();
-    let outs: Vec<(Isa, Vec<f32>)> = Isa::available()
+    let mut outs: Vec<(Isa, Vec<f32>)> = Isa::available()
         .into_iter()
         .map(|isa| {
             let mut out = vec![f32::NAN; batch * rows];
@@ -109,6 +109,8 @@ fn check<B: WeightBlock>(rows: usize, cols: usize, batch: usize) {
             (isa, out)
         })
         .collect();
+    // The vector the model's layers take: written into memory not zeroed first.
+    outs.push((Isa::best(), m.matmul_vec(&x)));
 
     let kb = cols / B::Act::LEN;
     let mut acts = vec![B::Act::ZERO; batch * kb];
@@ -287,6 +289,19 @@ fn check_packed<P: Interleaved>() {
                 assert!(
                     (got as f64 - w).abs() < tol,
                     "packed {name} {isa:?} {rows}x{cols} b{batch} [{i}]: {got} vs {w}"
+                );
+            }
+            // The vector the model's layers take is the same product (there the kernels write
+            // into memory not zeroed first; here every value is checked to be written).
+            if isa == Isa::best() {
+                let fresh = m.matmul_vec(&x);
+                let same = fresh
+                    .iter()
+                    .zip(&out)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same && fresh.len() == out.len(),
+                    "packed {name} b{batch}: matmul_vec"
                 );
             }
         }

@@ -228,10 +228,9 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
         true
     }
 
-    unsafe fn matmul_quantized(&self, acts: &[Act<P>], m: usize, out: &mut [f32], isa: Isa) {
+    unsafe fn matmul_quantized(&self, acts: &[Act<P>], m: usize, out: DisjointOut, isa: Isa) {
         let kb = self.cols / block_len::<P>();
         let n = self.rows;
-        let out = DisjointOut::new(out);
         let group_bytes = kb * std::mem::size_of::<P>();
         let tile_rows = |left: usize| left.min(P::TILE_ROWS).min(MAX_TILE_ROWS);
         for_each_slice_tile(n / ROWS, group_bytes, m, tile_rows, |groups, r| {
@@ -252,7 +251,7 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
                 tile(w, row_acts, kb, sums, isa);
                 for (row, s) in r.clone().zip(sums.iter()) {
                     // SAFETY: columns 8·group..8·group + 8 belong to this task's groups only,
-                    // and lie inside `out` (m × n) by the asserts in `run`.
+                    // and lie inside `out` (m × n values).
                     unsafe { out.slice(row * n + group * ROWS, ROWS) }.copy_from_slice(s);
                 }
             }
