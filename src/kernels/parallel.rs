@@ -126,13 +126,13 @@ impl ComputePool {
 
     /// The smallest chunk a grab takes unless the caller says otherwise: a sixteenth of a
     /// thread's share.
-    pub fn min_chunk(&self, n_items: usize) -> usize {
+    fn min_chunk(&self, n_items: usize) -> usize {
         n_items.div_ceil(16 * self.threads())
     }
 
     /// [`for_each_range`](Self::for_each_range) whose grabs take at least `min_chunk` items
-    /// (the last grabs of a call take that many, so it bounds how long one thread may still
-    /// work after the others ran dry).
+    /// (or all that are left): the last grabs of a call take that many, so it bounds how long
+    /// one thread may still work after the others ran dry.
     pub fn for_each_range_with(
         &self,
         n_items: usize,
@@ -312,10 +312,23 @@ impl<T> DisjointOut<T> {
         Self(out.as_mut_ptr())
     }
 
-    /// Over memory not yet initialised (a vector's spare capacity): the tasks must write
-    /// every element before anyone reads it.
+    /// Over memory not yet initialised (a vector's spare capacity): the tasks fill it with
+    /// [`write`](Self::write) only (a [`slice`](Self::slice) of it would be a reference to
+    /// uninitialised values), and every element before anyone reads it.
     pub fn uninit(out: &mut [std::mem::MaybeUninit<T>]) -> Self {
         Self(out.as_mut_ptr() as *mut T)
+    }
+
+    /// Copies `values` to the elements starting at `offset`.
+    ///
+    /// # Safety
+    /// As for [`slice`](Self::slice): the range lies inside the original memory and is this
+    /// task's alone.
+    pub unsafe fn write(self, offset: usize, values: &[T])
+    where
+        T: Copy,
+    {
+        std::ptr::copy_nonoverlapping(values.as_ptr(), self.0.add(offset), values.len())
     }
 
     /// The `len` elements starting at `offset`.

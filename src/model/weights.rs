@@ -154,7 +154,7 @@ pub trait OwnKernel: Send + Sync {
     fn out_features(&self) -> usize;
     fn in_features(&self) -> usize;
     fn matmul(&self, x: &[f32], out: &mut [f32]);
-    /// The product in a new vector (`rows · out_features` values).
+    /// The product in a new vector (`out_features` values per row of `x`).
     fn matmul_vec(&self, x: &[f32]) -> Vec<f32>;
     /// Row `row` dequantized into `out` (`in_features` values), where the layout supports it.
     fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool;
@@ -266,9 +266,8 @@ impl Matmul {
     fn multiply(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         match self {
             Self::Own(kernel) => {
-                let out = kernel.matmul_vec(x);
-                debug_assert_eq!(out.len(), rows * kernel.out_features());
-                Ok(out)
+                assert_eq!(x.len(), rows * kernel.in_features(), "input rows");
+                Ok(kernel.matmul_vec(x))
             }
             Self::Candle(m) => {
                 let device = match m {

@@ -257,6 +257,9 @@ pub(super) unsafe fn quantize_i8(xs: &[f32], qs: &mut [i8]) -> f32 {
 }
 
 /// [`super::quantize_i8`] and `Σ qs`, inlined into its callers.
+///
+/// # Safety
+/// The CPU must support AVX2; `xs.len()` is a multiple of 8 and `qs` as long.
 #[inline(always)]
 unsafe fn quantize_i8_sum(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
     debug_assert!(xs.len().is_multiple_of(8) && qs.len() == xs.len());
@@ -282,7 +285,9 @@ unsafe fn quantize_i8_sum(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
         let away = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_and_ps(_mm256_sub_ps(v, t), abs_mask), half);
         let step = _mm256_or_ps(_mm256_and_ps(v, sign_mask), one);
         let r = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, step)));
-        // |r| <= 127 (|v| <= 127 up to rounding), so the packs below never saturate.
+        // |r| <= 127 for any scale whose inverse is finite (|v| <= 127 up to rounding), so
+        // the packs below do not saturate; below an amax of ~4e-37 the inverse overflows, as
+        // in `quantize_i8`, and the scale rounds to zero in f16 anyway.
         sum = _mm256_add_epi32(sum, r);
         let w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storel_epi64(q.as_mut_ptr() as *mut __m128i, _mm_packs_epi16(w, w));
@@ -298,6 +303,9 @@ unsafe fn quantize_i8_sum(xs: &[f32], qs: &mut [i8]) -> (f32, i32) {
 
 /// `x` rounded to f16 and back, as F16C rounds (to nearest, ties to even: the `half` crate's
 /// rounding).
+///
+/// # Safety
+/// The CPU must support F16C.
 #[inline(always)]
 unsafe fn round_f16(x: f32) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(

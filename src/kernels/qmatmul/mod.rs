@@ -21,7 +21,7 @@
 //!   present, else a portable scalar path with the same block arithmetic.
 //!   `tests/emulated_isa.rs` runs the VNNI paths on emulated CPUs.
 //! * No allocation per call beyond a thread-local scratch buffer that grows to the largest
-//!   batch seen.
+//!   batch seen (and the output vector, for [`QuantKernel::matmul_vec`]).
 
 use std::cell::RefCell;
 use std::marker::PhantomData;
@@ -53,7 +53,7 @@ pub const MAX_TILE: usize = 8;
 /// parallel call costs about a microsecond, a 576-value row's quantization about half one).
 const PARALLEL_QUANTIZE_VALUES: usize = 2048;
 /// Most bytes of weights in the last chunks of a matmul's work (a sixteenth of a thread's
-/// share where that is less): about two microseconds of one thread's streaming at batch 1, so
+/// share where that is less; one work item where an item is larger): about two microseconds of one thread's streaming at batch 1, so
 /// the caller seldom waits long for the last worker. A fixed fraction of the work made the
 /// LM head's last chunks about a megabyte each.
 const TAIL_CHUNK_BYTES: usize = 16 * 1024;
@@ -139,7 +139,6 @@ impl ActFormat for ActBlock {
     fn quantize_row(x: &[f32], out: &mut [Self]) {
         #[cfg(target_arch = "x86_64")]
         if Isa::best() != Isa::Scalar {
-            debug_assert_eq!(x.len(), out.len() * QK);
             // SAFETY: every SIMD `Isa` includes AVX2 and F16C.
             return unsafe { avx2::quantize_row_q8_1(x, out) };
         }
@@ -273,7 +272,9 @@ impl<B: WeightBlock> QuantMatrix<B> {
     }
 }
 
-impl<B: WeightBlock> QuantKernel for QuantMatrix<B> {
+// SAFETY: `matmul_quantized` writes every output value: the row tiles cover `0..m`, and each
+// task's columns end with one-column tiles up to its last.
+unsafe impl<B: WeightBlock> QuantKernel for QuantMatrix<B> {
     type Act = B::Act;
 
     fn rows(&self) -> usize {
@@ -311,12 +312,14 @@ impl<B: WeightBlock> QuantKernel for QuantMatrix<B> {
                     let mut sums = [0f32; MAX_TILE];
                     dot_tile(w, cols, row_acts, kb, &mut sums[..cols * rows], isa);
                     for row in 0..rows {
-                        // SAFETY: columns col..col + cols of row r.start + row belong to this
-                        // task's items only, and lie inside `out` (m × n values).
-                        let dst = unsafe { out.slice((r.start + row) * n + col, cols) };
-                        for (c, d) in dst.iter_mut().enumerate() {
-                            *d = sums[c * rows + row];
+                        let mut values = [0f32; MAX_TILE];
+                        for (c, v) in values[..cols].iter_mut().enumerate() {
+                            *v = sums[c * rows + row];
                         }
+                        // SAFETY: columns col..col + cols of row r.start + row belong to this
+                        // task's items only, and lie inside `out` (m × n values, as
+                        // `matmul_quantized`'s caller promised).
+                        unsafe { out.write((r.start + row) * n + col, &values[..cols]) };
                     }
                     col += cols;
                 }
@@ -326,7 +329,11 @@ impl<B: WeightBlock> QuantKernel for QuantMatrix<B> {
 }
 
 /// A quantized weight matrix our kernels multiply: `out[m × rows] = x[m × cols] · Wᵀ`.
-pub trait QuantKernel: Send + Sync {
+///
+/// # Safety
+/// [`matmul_quantized`](Self::matmul_quantized) must write every one of its `m · rows` output
+/// values: [`matmul_vec`](Self::matmul_vec) hands them out without initialising them first.
+pub unsafe trait QuantKernel: Send + Sync {
     /// The activation blocks its kernels take.
     type Act: ActFormat;
     fn rows(&self) -> usize;
@@ -366,11 +373,14 @@ pub trait QuantKernel: Send + Sync {
     }
 
     /// The product in a new vector, written once (not zeroed first: at batch 16 zeroing
-    /// SmolLM2's logits alone cost as much as 3 % of a decode step).
+    /// SmolLM2's logits alone cost as much as 3 % of a decode step). Builds with debug
+    /// assertions fill it with NaN first, so a value left unwritten shows in the tests.
     fn matmul_vec(&self, x: &[f32]) -> Vec<f32> {
         let m = rows_of(self, x);
         let len = m * self.rows();
         let mut out = Vec::with_capacity(len);
+        #[cfg(debug_assertions)]
+        out.spare_capacity_mut()[..len].fill(std::mem::MaybeUninit::new(f32::NAN));
         // SAFETY: `best` is available; the spare capacity holds `len` values, and the kernels
         // write every one of them before the length is set.
         unsafe {
@@ -412,17 +422,17 @@ unsafe fn run<K: QuantKernel + ?Sized>(
     }
     let kb = cols / K::Act::LEN;
     with_scratch::<K::Act>(m * kb, |acts| {
-        quantize_rows(x, cols, acts);
+        quantize_rows(x, m, acts);
         // SAFETY: as the caller promised; `acts` holds the `m · kb` blocks.
         unsafe { kernel.matmul_quantized(acts, m, out, isa) }
     });
 }
 
-/// Quantizes the rows of `x` (`cols` values each) into `acts`, spread over the pool when
-/// there are enough values to pay for a parallel call.
-fn quantize_rows<A: ActFormat>(x: &[f32], cols: usize, acts: &mut [A]) {
-    let kb = cols / A::LEN;
-    let m = x.len() / cols;
+/// Quantizes the `m` rows of `x` into `acts` (as many blocks per row as `x` has values per
+/// `A::LEN`), spread over the pool when there are enough values to pay for a parallel call.
+fn quantize_rows<A: ActFormat>(x: &[f32], m: usize, acts: &mut [A]) {
+    assert!(m > 0 && acts.len() * A::LEN == x.len() && acts.len().is_multiple_of(m));
+    let (kb, cols) = (acts.len() / m, x.len() / m);
     if m < 2 || x.len() < PARALLEL_QUANTIZE_VALUES {
         for (row, a) in x.chunks_exact(cols).zip(acts.chunks_exact_mut(kb)) {
             quantize_row(row, a);
@@ -433,7 +443,7 @@ fn quantize_rows<A: ActFormat>(x: &[f32], cols: usize, acts: &mut [A]) {
     for_each_range(m, |rows| {
         for row in rows {
             // SAFETY: row `row`'s `kb` blocks are this task's alone and lie inside `acts`
-            // (`m · kb` blocks, as `run` sized it).
+            // (`m · kb` blocks, asserted above).
             let a = unsafe { out.slice(row * kb, kb) };
             quantize_row(&x[row * cols..(row + 1) * cols], a);
         }

@@ -109,7 +109,7 @@ fn check<B: WeightBlock>(rows: usize, cols: usize, batch: usize) {
             (isa, out)
         })
         .collect();
-    // The vector the model's layers take: written into memory not zeroed first.
+    // The vector the model's layers take: not zeroed first (NaN-filled in test builds).
     outs.push((Isa::best(), m.matmul_vec(&x)));
 
     let kb = cols / B::Act::LEN;
@@ -291,8 +291,9 @@ fn check_packed<P: Interleaved>() {
                     "packed {name} {isa:?} {rows}x{cols} b{batch} [{i}]: {got} vs {w}"
                 );
             }
-            // The vector the model's layers take is the same product (there the kernels write
-            // into memory not zeroed first; here every value is checked to be written).
+            // The vector the model's layers take is the same product (the kernels write it
+            // without zeroing it first; test builds fill it with NaN, so a value left
+            // unwritten fails here).
             if isa == Isa::best() {
                 let fresh = m.matmul_vec(&x);
                 let same = fresh

@@ -202,7 +202,9 @@ impl<P: Interleaved> PackedMatrix<P> {
     }
 }
 
-impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
+// SAFETY: `matmul_quantized` writes every output value: the row tiles cover `0..m` and the
+// groups every eight columns (`rows` is a multiple of 8).
+unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
     type Act = Act<P>;
 
     fn rows(&self) -> usize {
@@ -251,8 +253,9 @@ impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
                 tile(w, row_acts, kb, sums, isa);
                 for (row, s) in r.clone().zip(sums.iter()) {
                     // SAFETY: columns 8·group..8·group + 8 belong to this task's groups only,
-                    // and lie inside `out` (m × n values).
-                    unsafe { out.slice(row * n + group * ROWS, ROWS) }.copy_from_slice(s);
+                    // and lie inside `out` (m × n values, as `matmul_quantized`'s caller
+                    // promised).
+                    unsafe { out.write(row * n + group * ROWS, s) };
                 }
             }
         });
