@@ -231,12 +231,8 @@ fn write_rows<T: KvElem>(
             for head in 0..kvh {
                 let (k_row, v_row) = rows.next().expect("K/V rows match the batch");
                 let dst = ((block * kvh + head) * bs + pos % bs) * hd;
-                for (d, x) in store.k[dst..dst + hd].iter_mut().zip(k_row) {
-                    *d = T::from_f32(*x);
-                }
-                for (d, x) in store.v[dst..dst + hd].iter_mut().zip(v_row) {
-                    *d = T::from_f32(*x);
-                }
+                T::from_f32_slice(&mut store.k[dst..dst + hd], k_row);
+                T::from_f32_slice(&mut store.v[dst..dst + hd], v_row);
             }
         }
     }
