@@ -53,9 +53,9 @@ pub const MAX_TILE: usize = 8;
 /// parallel call costs about a microsecond, a 576-value row's quantization about half one).
 const PARALLEL_QUANTIZE_VALUES: usize = 2048;
 /// Most bytes of weights in the last chunks of a matmul's work (a sixteenth of a thread's
-/// share where that is less; one work item where an item is larger): about two microseconds of one thread's streaming at batch 1, so
-/// the caller seldom waits long for the last worker. A fixed fraction of the work made the
-/// LM head's last chunks about a megabyte each.
+/// share where that is less; one work item where an item is larger): about two microseconds
+/// of one thread's streaming at batch 1, so the caller seldom waits long for the last worker.
+/// A fixed fraction of the work made the LM head's last chunks about a megabyte each.
 const TAIL_CHUNK_BYTES: usize = 16 * 1024;
 /// Bytes of weights a task passes every row tile over before it moves on: well inside L2.
 const WEIGHT_SLICE_BYTES: usize = 96 * 1024;
