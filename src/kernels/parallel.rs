@@ -273,7 +273,7 @@ pub fn for_each_range(n_items: usize, f: impl Fn(Range<usize>) + Sync) {
 }
 
 /// [`for_each_range`] with at most `max_chunk` items in the last grabs (fewer where the
-/// pool's own [`ComputePool::min_chunk`] is smaller).
+/// pool's own floor, a sixteenth of a thread's share, is smaller).
 pub fn for_each_range_tail(n_items: usize, max_chunk: usize, f: impl Fn(Range<usize>) + Sync) {
     let pool = current_pool();
     pool.for_each_range_with(n_items, max_chunk.min(pool.min_chunk(n_items)), f)

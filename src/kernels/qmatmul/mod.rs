@@ -27,16 +27,19 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use half::f16;
+use super::parallel::{for_each_range_tail, DisjointOut};
 
-use super::parallel::{for_each_range, for_each_range_tail, DisjointOut};
-
+mod acts;
 mod blocks;
 #[cfg(target_arch = "x86_64")]
 pub use avx2::{Avx2Dot, Avx512VnniDot, AvxVnniDot, ByteDot};
+mod isa;
 mod kquants;
 mod x8;
+use acts::quantize_rows;
+pub use acts::{quantize_i8, quantize_i8_scalar, quantize_row, ActBlock, ActFormat};
 pub use blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, SimpleBlock};
+pub use isa::{Isa, IsaError, ISA_ENV};
 pub use kquants::{ActBlockK, BlockQ4K, BlockQ6K, QK_K};
 pub use x8::{
     BlockQ4Kx8, BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ6Kx8, BlockQ8_0x8, Interleaved,
@@ -49,9 +52,6 @@ pub const QK: usize = 32;
 pub const COL_GROUP: usize = 4;
 /// The most dot products one register tile computes (weight rows × activation rows).
 pub const MAX_TILE: usize = 8;
-/// Activations of one matmul from which their quantization is spread over the pool (a
-/// parallel call costs about a microsecond, a 576-value row's quantization about half one).
-const PARALLEL_QUANTIZE_VALUES: usize = 2048;
 /// Most bytes of weights in the last chunks of a matmul's work (a sixteenth of a thread's
 /// share where that is less; one work item where an item is larger): about two microseconds
 /// of one thread's streaming at batch 1, so the caller seldom waits long for the last worker.
@@ -59,22 +59,6 @@ const PARALLEL_QUANTIZE_VALUES: usize = 2048;
 const TAIL_CHUNK_BYTES: usize = 16 * 1024;
 /// Bytes of weights a task passes every row tile over before it moves on: well inside L2.
 const WEIGHT_SLICE_BYTES: usize = 96 * 1024;
-
-/// A block of activations quantized to 8 bits, in the layout one weight format multiplies.
-pub trait ActFormat: Copy + Send + Sync + 'static {
-    /// Values per block.
-    const LEN: usize;
-    const ZERO: Self;
-    /// Quantizes `LEN` values into `out`.
-    fn quantize(x: &[f32], out: &mut Self);
-    /// Quantizes a row of `out.len()` blocks, as [`quantize`](Self::quantize) does block by
-    /// block (a format with a faster whole-row path gives the same bytes).
-    fn quantize_row(x: &[f32], out: &mut [Self]) {
-        quantize_blocks(x, out)
-    }
-    /// Value `i` as quantized (`d · q`).
-    fn value(&self, i: usize) -> f32;
-}
 
 /// A weight block format: what the matmul needs from it.
 pub trait WeightBlock: Copy + Send + Sync + 'static {
@@ -104,85 +88,6 @@ pub trait WeightBlock: Copy + Send + Sync + 'static {
         acc: &mut [[std::arch::x86_64::__m256; T]; C],
         offsets: &mut [[f32; T]; C],
     );
-}
-
-/// One quantized block of 32 activations: `x ≈ d · qs`, `s = d · Σ qs` rounded to f16 (for
-/// Q4_1's offset), and `sum = Σ qs` exactly (for the interleaved kernels' offsets).
-#[repr(C, align(32))]
-#[derive(Clone, Copy)]
-pub struct ActBlock {
-    qs: [i8; QK],
-    d: f32,
-    s: f32,
-    sum: i32,
-}
-
-impl ActFormat for ActBlock {
-    const LEN: usize = QK;
-    const ZERO: Self = Self {
-        qs: [0; QK],
-        d: 0.0,
-        s: 0.0,
-        sum: 0,
-    };
-
-    /// As ggml's `quantize_row_q8_1`: `d = amax / 127` rounded to f16, `q = round(x / d)`.
-    fn quantize(xs: &[f32], block: &mut Self) {
-        let d = quantize_i8(xs, &mut block.qs);
-        let sum: i32 = block.qs.iter().map(|&q| q as i32).sum();
-        let d16 = f16::from_f32(d);
-        block.d = d16.to_f32();
-        block.s = (f16::from_f32(sum as f32) * d16).to_f32();
-        block.sum = sum;
-    }
-
-    fn quantize_row(x: &[f32], out: &mut [Self]) {
-        #[cfg(target_arch = "x86_64")]
-        if Isa::best() != Isa::Scalar {
-            // SAFETY: every SIMD `Isa` includes AVX2 and F16C.
-            return unsafe { avx2::quantize_row_q8_1(x, out) };
-        }
-        quantize_blocks(x, out)
-    }
-
-    fn value(&self, i: usize) -> f32 {
-        self.d * self.qs[i] as f32
-    }
-}
-
-/// `d = amax / 127` and `qs[i] = round(xs[i] / d)` (halves away from zero; 0 where `d` is 0),
-/// with AVX2 where the CPU has it: the same bytes as the scalar loop for finite inputs.
-pub fn quantize_i8(xs: &[f32], qs: &mut [i8]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if Isa::best() != Isa::Scalar && xs.len().is_multiple_of(8) && qs.len() == xs.len() {
-        // SAFETY: every SIMD `Isa` includes AVX2; the lengths are checked.
-        return unsafe { avx2::quantize_i8(xs, qs) };
-    }
-    quantize_i8_scalar(xs, qs)
-}
-
-/// The portable [`quantize_i8`].
-pub fn quantize_i8_scalar(xs: &[f32], qs: &mut [i8]) -> f32 {
-    let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    for (q, &v) in qs.iter_mut().zip(xs) {
-        *q = (v * id).round() as i8;
-    }
-    d
-}
-
-/// Quantizes one row of activations (a whole number of blocks).
-pub fn quantize_row<A: ActFormat>(x: &[f32], out: &mut [A]) {
-    debug_assert_eq!(x.len(), out.len() * A::LEN);
-    A::quantize_row(x, out)
-}
-
-/// Quantizes a row block by block ([`ActFormat::quantize`]).
-fn quantize_blocks<A: ActFormat>(x: &[f32], out: &mut [A]) {
-    for (xs, block) in x.chunks_exact(A::LEN).zip(out.iter_mut()) {
-        A::quantize(xs, block);
-    }
 }
 
 /// A `[rows, cols]` weight matrix in one block format, read in place from bytes it owns or
@@ -428,28 +333,6 @@ unsafe fn run<K: QuantKernel + ?Sized>(
     });
 }
 
-/// Quantizes the `m` rows of `x` into `acts` (as many blocks per row as `x` has values per
-/// `A::LEN`), spread over the pool when there are enough values to pay for a parallel call.
-fn quantize_rows<A: ActFormat>(x: &[f32], m: usize, acts: &mut [A]) {
-    assert!(m > 0 && acts.len() * A::LEN == x.len() && acts.len().is_multiple_of(m));
-    let (kb, cols) = (acts.len() / m, x.len() / m);
-    if m < 2 || x.len() < PARALLEL_QUANTIZE_VALUES {
-        for (row, a) in x.chunks_exact(cols).zip(acts.chunks_exact_mut(kb)) {
-            quantize_row(row, a);
-        }
-        return;
-    }
-    let out = DisjointOut::new(acts);
-    for_each_range(m, |rows| {
-        for row in rows {
-            // SAFETY: row `row`'s `kb` blocks are this task's alone and lie inside `acts`
-            // (`m · kb` blocks, asserted above).
-            let a = unsafe { out.slice(row * kb, kb) };
-            quantize_row(&x[row * cols..(row + 1) * cols], a);
-        }
-    });
-}
-
 /// Spreads `n_items` work items of `item_bytes` weight bytes each over the pool and calls
 /// `f(items, rows)` for every row tile (heights from `tile_rows(rows left)`) of the `m`
 /// activation rows. A task takes its items a slice at a time, small enough to stay in L2 while
@@ -510,121 +393,6 @@ fn with_scratch<A: ActFormat>(len: usize, f: impl FnOnce(&mut [A])) {
         };
         f(acts)
     })
-}
-
-/// The instruction sets the kernels have a path for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
-    /// Portable Rust, the reference.
-    Scalar,
-    /// AVX2 + FMA + F16C.
-    Avx2,
-    /// The AVX2 kernels with AVX-VNNI's integer dot products (`vpdpbusd`, VEX-encoded):
-    /// client cores without AVX-512 (Alder Lake and later).
-    AvxVnni,
-    /// The AVX2 kernels with AVX-512 VNNI's 256-bit integer dot products (`vpdpbusd`).
-    Avx512Vnni,
-}
-
-/// Environment variable that chooses the instruction set instead of the fastest one.
-pub const ISA_ENV: &str = "TOKENROUTER_ISA";
-
-/// A `TOKENROUTER_ISA` value the kernels cannot use.
-#[derive(Debug, thiserror::Error)]
-pub enum IsaError {
-    #[error("{ISA_ENV}={value:?} is not one of scalar, avx2, avx-vnni, avx512-vnni")]
-    Unknown { value: String },
-    #[error("{ISA_ENV}={value:?}: this CPU lacks it (it has {available})")]
-    Unavailable { value: String, available: String },
-}
-
-impl Isa {
-    /// Every instruction set, slowest first.
-    pub const ALL: [Isa; 4] = [Self::Scalar, Self::Avx2, Self::AvxVnni, Self::Avx512Vnni];
-
-    /// The name `TOKENROUTER_ISA` takes.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Scalar => "scalar",
-            Self::Avx2 => "avx2",
-            Self::AvxVnni => "avx-vnni",
-            Self::Avx512Vnni => "avx512-vnni",
-        }
-    }
-
-    /// The one the kernels use: `TOKENROUTER_ISA`'s choice when set and valid (else a
-    /// warning), or the fastest this CPU supports (decided once).
-    pub fn best() -> Self {
-        static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-        *BEST.get_or_init(|| {
-            let fastest = Self::ALL
-                .into_iter()
-                .rev()
-                .find(|isa| isa.is_available())
-                .unwrap_or(Self::Scalar);
-            match Self::from_env() {
-                Ok(chosen) => chosen.unwrap_or(fastest),
-                Err(e) => {
-                    tracing::warn!("{e}; using {}", fastest.name());
-                    fastest
-                }
-            }
-        })
-    }
-
-    /// The instruction set `TOKENROUTER_ISA` names, if it is set; an error names a value that
-    /// is unknown or that this CPU lacks.
-    pub fn from_env() -> Result<Option<Self>, IsaError> {
-        let Ok(value) = std::env::var(ISA_ENV) else {
-            return Ok(None);
-        };
-        let Some(isa) = Self::ALL.into_iter().find(|isa| isa.name() == value.trim()) else {
-            return Err(IsaError::Unknown { value });
-        };
-        if !isa.is_available() {
-            let here = Self::available()
-                .into_iter()
-                .map(Self::name)
-                .collect::<Vec<_>>();
-            return Err(IsaError::Unavailable {
-                value,
-                available: here.join(", "),
-            });
-        }
-        Ok(Some(isa))
-    }
-
-    /// Every one this CPU supports.
-    pub fn available() -> Vec<Self> {
-        Self::ALL
-            .into_iter()
-            .filter(|isa| isa.is_available())
-            .collect()
-    }
-
-    pub fn is_available(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let avx2 = is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c");
-            match self {
-                Self::Scalar => true,
-                Self::Avx2 => avx2,
-                Self::AvxVnni => avx2 && is_x86_feature_detected!("avxvnni"),
-                Self::Avx512Vnni => {
-                    avx2 && is_x86_feature_detected!("avx512f")
-                        && is_x86_feature_detected!("avx512bw")
-                        && is_x86_feature_detected!("avx512vl")
-                        && is_x86_feature_detected!("avx512vnni")
-                }
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            self == Self::Scalar
-        }
-    }
 }
 
 /// Dot products of `cols` consecutive weight rows (`w`, `kb` blocks each) with `rows`

@@ -3,6 +3,7 @@
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
+use half::f16;
 use rand::{Rng, SeedableRng};
 
 use super::*;
