@@ -130,8 +130,7 @@ mod avx2 {
             let block = w.get_unchecked(b);
             let rows: [&ActBlockK; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
             let mut sumi = [_mm256_setzero_si256(); T];
-            // Sub-blocks `2p` and `2p + 1` share their bytes (low and high nibbles): one load
-            // serves both, whose sums are independent chains.
+            // Sub-blocks `2p` and `2p + 1` share their bytes (low and high nibbles).
             for p in 0..4 {
                 // Four steps a block of 18½ lines: 19 prefetches (with 18 the stream falls 32
                 // bytes behind every block).
@@ -141,36 +140,44 @@ mod avx2 {
                 if p < 3 {
                     prefetch_line(block, 16 + p);
                 }
-                // With VNNI and one or two rows, even and odd groups in separate sums as well
-                // (`vpdpbusd`'s latency overlaps; more rows bring their own chains, and more
-                // sums would not fit the 16 registers of AVX-VNNI); AVX2's one-cycle adds take
-                // one (the other stays zero and its add folds away).
-                let mut part = [[[_mm256_setzero_si256(); T]; 2]; 2];
-                for g in 0..8 {
-                    let bits = _mm256_load_si256(
-                        block.qs.as_ptr().add((p * 8 + g) * 32) as *const __m256i
-                    );
-                    let q = [
-                        _mm256_and_si256(bits, m4),
-                        _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4),
-                    ];
-                    let k = if D::VNNI && T <= 2 { g % 2 } else { 0 };
-                    for r in 0..T {
-                        for (h, q) in q.iter().enumerate() {
+                // VNNI: both sub-blocks in one pass over the bytes, their sums independent
+                // chains so `vpdpbusd`'s latency overlaps, and with one or two rows even and
+                // odd groups in separate sums as well (more rows bring their own chains, and
+                // more sums would not fit the 16 registers of AVX-VNNI). AVX2 (one-cycle adds):
+                // one sub-block a pass, reloading the bytes for the second, so T sums are live
+                // instead of 2T (at four rows a median 4 % more multiply-adds a second than
+                // both in one pass, alternating the two in one process).
+                let halves = if D::VNNI { 2 } else { 1 };
+                for pass in 0..2 / halves {
+                    let mut part = [[[_mm256_setzero_si256(); T]; 2]; 2];
+                    for g in 0..8 {
+                        let bits = _mm256_load_si256(
+                            block.qs.as_ptr().add((p * 8 + g) * 32) as *const __m256i
+                        );
+                        let k = if D::VNNI && T <= 2 { g % 2 } else { 0 };
+                        for (hh, part) in part.iter_mut().enumerate().take(halves) {
+                            let h = pass * halves + hh;
+                            let q = if h == 0 {
+                                _mm256_and_si256(bits, m4)
+                            } else {
+                                _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4)
+                            };
                             let j = 2 * p + h;
-                            let x =
-                                broadcast4(rows[r].qs.as_ptr().add(32 * j + 4 * g) as *const u8);
-                            part[h][k][r] = dp16::<D>(part[h][k][r], *q, x);
+                            for r in 0..T {
+                                let x = broadcast4(
+                                    rows[r].qs.as_ptr().add(32 * j + 4 * g) as *const u8
+                                );
+                                part[k][r] = dp16::<D>(part[k][r], q, x);
+                            }
                         }
                     }
-                }
-                let scales: [__m256i; 2] = std::array::from_fn(|h| {
-                    scales::<D, false>(block.scales.as_ptr().add(8 * (2 * p + h)))
-                });
-                for r in 0..T {
-                    for (h, part) in part.iter().enumerate() {
-                        let part = add16::<D>(part[0][r], part[1][r]);
-                        sumi[r] = _mm256_add_epi32(sumi[r], scaled::<D>(part, scales[h]));
+                    for (hh, part) in part.iter().enumerate().take(halves) {
+                        let j = 2 * p + pass * halves + hh;
+                        let scales = scales::<D, false>(block.scales.as_ptr().add(8 * j));
+                        for r in 0..T {
+                            let part = add16::<D>(part[0][r], part[1][r]);
+                            sumi[r] = _mm256_add_epi32(sumi[r], scaled::<D>(part, scales));
+                        }
                     }
                 }
             }
