@@ -12,6 +12,7 @@ pub mod rope;
 pub mod routing_features;
 
 pub use attention::{paged_attention, AttentionSeq, PagedKv};
+use parallel::DisjointOut;
 pub use rope::{RopeStyle, RotaryAngles};
 
 /// An element of the paged K/V cache: `f32`, or `f16` (half the bytes to store and read,
@@ -428,14 +429,52 @@ pub fn exp_in_place(xs: &mut [f32]) -> f32 {
 /// RMS norm of each row of `x` (rows of `weight.len()`) in place: `x / rms(x) · w`, the mean of
 /// squares summed in `f32` like candle's `rms_norm`.
 pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
-    let n = weight.len();
-    for row in x.chunks_exact_mut(n) {
-        let sum2: f32 = row.iter().map(|v| v * v).sum();
-        let rms = (sum2 / n as f32 + eps).sqrt();
+    for row in x.chunks_exact_mut(weight.len()) {
+        let rms = rms(row, eps);
         for (v, w) in row.iter_mut().zip(weight) {
             *v = *v / rms * w;
         }
     }
+}
+
+/// `x += add` (when given), then `out` = [`rms_norm_in_place`] of a copy of `x`, with the same
+/// values; one pass over each row, the rows spread over the compute pool.
+pub fn add_rms_norm_rows(
+    x: &mut [f32],
+    add: Option<&[f32]>,
+    weight: &[f32],
+    eps: f32,
+    out: &mut [f32],
+) {
+    let n = weight.len();
+    assert!(x.len().is_multiple_of(n) && out.len() == x.len());
+    assert!(add.is_none_or(|a| a.len() == x.len()));
+    let (xs, outs) = (DisjointOut::new(x), DisjointOut::new(out));
+    parallel::for_each_range(out.len() / n, |rows| {
+        for r in rows {
+            // SAFETY: row `r` of `x` and of `out` (both `rows · n` values) is this task's alone.
+            let (x, out) = unsafe { (xs.slice(r * n, n), outs.slice(r * n, n)) };
+            if let Some(add) = add {
+                add_in_place(x, &add[r * n..(r + 1) * n]);
+            }
+            let rms = rms(x, eps);
+            for ((o, v), w) in out.iter_mut().zip(&*x).zip(weight) {
+                *o = *v / rms * w;
+            }
+        }
+    });
+}
+
+/// The root mean square of `row` with `eps` added to the mean, its squares summed in order.
+fn rms(row: &[f32], eps: f32) -> f32 {
+    let sum2: f32 = row.iter().map(|v| v * v).sum();
+    (sum2 / row.len() as f32 + eps).sqrt()
+}
+
+/// `x += y`, element-wise.
+pub fn add_in_place(x: &mut [f32], y: &[f32]) {
+    assert_eq!(x.len(), y.len());
+    x.iter_mut().zip(y).for_each(|(x, y)| *x += y);
 }
 
 /// `out = silu(gate) · up`, element-wise: `gate / (1 + e^-gate) · up`, the exponentials
@@ -446,6 +485,24 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
         *o = *g / (1.0 + *o) * u;
     }
+}
+
+/// [`silu_mul`] for each row of `out` (rows of `width`), `rows(r)` giving row `r`'s gate and
+/// up values; the rows spread over the compute pool.
+pub fn silu_mul_rows<'a>(
+    out: &mut [f32],
+    width: usize,
+    rows: impl Fn(usize) -> (&'a [f32], &'a [f32]) + Sync,
+) {
+    assert!(out.len().is_multiple_of(width));
+    let outs = DisjointOut::new(out);
+    parallel::for_each_range(out.len() / width, |range| {
+        for r in range {
+            let (gate, up) = rows(r);
+            // SAFETY: row `r` of `out` is this task's alone.
+            silu_mul(gate, up, unsafe { outs.slice(r * width, width) });
+        }
+    });
 }
 
 /// The portable [`exp_in_place`].
@@ -511,6 +568,74 @@ mod tests {
         <half::f16 as KvElem>::from_f32_slice(&mut fast, &src);
         for (got, &x) in fast.iter().zip(&src) {
             assert_eq!(got.to_bits(), half::f16::from_f32(x).to_bits(), "{x}");
+        }
+    }
+
+    /// Values of every sign and size, from a seeded sequence.
+    fn seeded_values(n: usize, seed: u32) -> Vec<f32> {
+        let mut state = seed;
+        (0..n)
+            .map(|_| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 8) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0
+            })
+            .collect()
+    }
+
+    /// The row-parallel forms give the sequential ones' values bit for bit, on three threads
+    /// (so rows land on the workers) and for one row (done inline).
+    #[test]
+    fn row_parallel_norm_and_activation_match_the_sequential_ones() {
+        let pool = parallel::ComputePool::new(3, "test");
+        let width = 37;
+        for rows in [1, 2, 17] {
+            let x = seeded_values(rows * width, 1);
+            let y = seeded_values(rows * width, 2);
+            let weight = seeded_values(width, 3);
+            for add in [None, Some(&y[..])] {
+                let mut want_x = x.clone();
+                if let Some(y) = add {
+                    want_x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+                }
+                let mut want = want_x.clone();
+                rms_norm_in_place(&mut want, &weight, 1e-5);
+                let (mut got_x, mut got) = (x.clone(), vec![f32::NAN; x.len()]);
+                parallel::with_pool(&pool, || {
+                    add_rms_norm_rows(&mut got_x, add, &weight, 1e-5, &mut got)
+                });
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got_x),
+                    bits(&want_x),
+                    "{rows} rows, add {}",
+                    add.is_some()
+                );
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{rows} rows, add {}",
+                    add.is_some()
+                );
+            }
+            let mut want = vec![0f32; x.len()];
+            for ((g, u), o) in x
+                .chunks_exact(width)
+                .zip(y.chunks_exact(width))
+                .zip(want.chunks_exact_mut(width))
+            {
+                silu_mul(g, u, o);
+            }
+            let mut got = vec![f32::NAN; x.len()];
+            parallel::with_pool(&pool, || {
+                silu_mul_rows(&mut got, width, |r| {
+                    (
+                        &x[r * width..(r + 1) * width],
+                        &y[r * width..(r + 1) * width],
+                    )
+                })
+            });
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{rows} rows");
         }
     }
 

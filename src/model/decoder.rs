@@ -17,7 +17,7 @@ use super::profile::{timed, Part};
 use super::weights::{FusedLinear, Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
 use crate::kernels::attention::AttentionSeq;
 use crate::kernels::rope::{inverse_frequencies, RotaryAngles};
-use crate::kernels::silu_mul;
+use crate::kernels::{add_in_place, silu_mul_rows};
 
 /// One sequence of a forward batch.
 #[derive(Clone, Copy, Debug)]
@@ -358,18 +358,20 @@ impl Model {
         let mut h = vec![0f32; x.len()];
         let ffn = c.intermediate_size;
         let mut gated = vec![0f32; t * ffn];
+        // The previous layer's FFN output, added to the trunk in the pass of the next norm.
+        let mut ffn_out: Option<Vec<f32>> = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            h.copy_from_slice(&x);
-            layer.attn_norm.forward_in_place(&mut h);
+            layer
+                .attn_norm
+                .add_forward(&mut x, ffn_out.as_deref(), &mut h);
             let a = self.attention(&layer.attn, &h, i, &angles, &attn_seqs, kv)?;
-            add_in_place(&mut x, &a);
-            h.copy_from_slice(&x);
-            layer.ffn_norm.forward_in_place(&mut h);
+            layer.ffn_norm.add_forward(&mut x, Some(&a), &mut h);
             let gate_up = layer.mlp.gate_up.forward_rows(&h, t)?;
-            for (r, out) in gated.chunks_exact_mut(ffn).enumerate() {
-                silu_mul(gate_up.row(0, r), gate_up.row(1, r), out);
-            }
-            add_in_place(&mut x, &layer.mlp.down.forward_rows(&gated, t)?);
+            silu_mul_rows(&mut gated, ffn, |r| (gate_up.row(0, r), gate_up.row(1, r)));
+            ffn_out = Some(layer.mlp.down.forward_rows(&gated, t)?);
+        }
+        if let Some(y) = ffn_out {
+            add_in_place(&mut x, &y);
         }
         Ok(Some((x, last_rows)))
     }
@@ -442,9 +444,4 @@ impl Model {
         }
         Ok(())
     }
-}
-
-/// `x += y`, element-wise.
-fn add_in_place(x: &mut [f32], y: &[f32]) {
-    x.iter_mut().zip(y).for_each(|(x, y)| *x += y);
 }

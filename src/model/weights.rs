@@ -12,7 +12,7 @@ use crate::kernels::qmatmul::{
     BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, PackedQ4K, PackedQ4_0,
     PackedQ4_1, PackedQ5_0, PackedQ6K, PackedQ8_0, QuantKernel, QuantMatrix, WeightBlock,
 };
-use crate::kernels::rms_norm_in_place;
+use crate::kernels::{add_rms_norm_rows, rms_norm_in_place};
 
 pub trait WeightSource {
     /// A `[rows, cols]` (out, in) matrix, kept quantized when the checkpoint is.
@@ -450,6 +450,12 @@ impl RmsNorm {
     /// Normalises each row of `x` (rows of the weight's length) in place.
     pub fn forward_in_place(&self, x: &mut [f32]) {
         rms_norm_in_place(x, &self.weight, self.eps)
+    }
+
+    /// `x += add` (when given), then `out` = the norm of `x`, row by row over the compute
+    /// pool (see [`add_rms_norm_rows`]).
+    pub fn add_forward(&self, x: &mut [f32], add: Option<&[f32]>, out: &mut [f32]) {
+        add_rms_norm_rows(x, add, &self.weight, self.eps, out)
     }
 }
 
