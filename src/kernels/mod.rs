@@ -437,8 +437,8 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
-/// `x += add` (when given), then `out` = [`rms_norm_in_place`] of a copy of `x`, with the same
-/// values; one pass over each row, the rows spread over the compute pool.
+/// `x += add` (when given), then `out` = [`rms_norm_in_place`] of a copy of `x`, bit for bit;
+/// row by row while the row is in cache, the rows spread over the compute pool.
 pub fn add_rms_norm_rows(
     x: &mut [f32],
     add: Option<&[f32]>,
@@ -452,7 +452,8 @@ pub fn add_rms_norm_rows(
     let (xs, outs) = (DisjointOut::new(x), DisjointOut::new(out));
     parallel::for_each_range(out.len() / n, |rows| {
         for r in rows {
-            // SAFETY: row `r` of `x` and of `out` (both `rows · n` values) is this task's alone.
+            // SAFETY: `r < x.len() / n` and `out.len() == x.len()` (asserted), so row `r` of
+            // each lies inside it; each `r` goes to one task.
             let (x, out) = unsafe { (xs.slice(r * n, n), outs.slice(r * n, n)) };
             if let Some(add) = add {
                 add_in_place(x, &add[r * n..(r + 1) * n]);
@@ -499,7 +500,12 @@ pub fn silu_mul_rows<'a>(
     parallel::for_each_range(out.len() / width, |range| {
         for r in range {
             let (gate, up) = rows(r);
-            // SAFETY: row `r` of `out` is this task's alone.
+            assert!(
+                gate.len() == width && up.len() == width,
+                "rows of {width} values"
+            );
+            // SAFETY: `r < out.len() / width`, so row `r` lies inside `out`; each `r` goes to
+            // one task.
             silu_mul(gate, up, unsafe { outs.slice(r * width, width) });
         }
     });

@@ -358,12 +358,13 @@ impl Model {
         let mut h = vec![0f32; x.len()];
         let ffn = c.intermediate_size;
         let mut gated = vec![0f32; t * ffn];
-        // The previous layer's FFN output, added to the trunk in the pass of the next norm.
+        // The previous layer's FFN output, added to the trunk in the pass of the next norm (or
+        // after the last layer, below).
         let mut ffn_out: Option<Vec<f32>> = None;
         for (i, layer) in self.layers.iter().enumerate() {
             layer
                 .attn_norm
-                .add_forward(&mut x, ffn_out.as_deref(), &mut h);
+                .add_forward(&mut x, ffn_out.take().as_deref(), &mut h);
             let a = self.attention(&layer.attn, &h, i, &angles, &attn_seqs, kv)?;
             layer.ffn_norm.add_forward(&mut x, Some(&a), &mut h);
             let gate_up = layer.mlp.gate_up.forward_rows(&h, t)?;
