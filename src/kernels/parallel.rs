@@ -7,6 +7,10 @@
 //! within microseconds) and then park, so an idle model's workers leave the cores to the
 //! others. The caller never waits for a worker that has not started: a job is closed when
 //! its items are all taken, and workers that arrive later skip it.
+//!
+//! A waiting thread need not idle: [`prefetch_ahead`] names the memory the next job will
+//! read, and the pool's threads request it into the caches while they wait, so a decode
+//! step streams weights through the gaps where one thread works alone.
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -17,6 +21,12 @@ use std::thread::JoinHandle;
 
 /// Spins of a worker waiting for the next job before it parks (tens of microseconds).
 const SPIN_LIMIT: u32 = 20_000;
+/// Bytes of a [`prefetch_ahead`] region a waiting worker requests between two looks for a
+/// job.
+const AHEAD_CHUNK: usize = 1024;
+/// Most bytes of one [`prefetch_ahead`] region requested: what the caches keep until the job
+/// that reads them comes.
+const AHEAD_LIMIT: usize = 2 << 20;
 
 /// A fixed set of compute threads (the caller plus `threads - 1` workers).
 pub struct ComputePool {
@@ -37,6 +47,38 @@ struct Shared {
     job: AtomicPtr<Job<'static>>,
     stop: AtomicBool,
     panicked: AtomicBool,
+    /// The memory the next jobs will read ([`prefetch_ahead`]): the address of the next
+    /// chunk a waiting worker requests, and the end. Only a hint: prefetches never fault, so
+    /// a stale or torn pair costs at most some useless requests.
+    ahead_next: AtomicUsize,
+    ahead_end: AtomicUsize,
+}
+
+impl Shared {
+    /// Requests the next chunk of the prefetch region into the caches; `false` when none is
+    /// left.
+    fn prefetch_some(&self) -> bool {
+        let mut next = self.ahead_next.load(Ordering::Relaxed);
+        loop {
+            let end = self.ahead_end.load(Ordering::Relaxed);
+            if next >= end {
+                return false;
+            }
+            let stop = next.saturating_add(AHEAD_CHUNK).min(end);
+            match self.ahead_next.compare_exchange_weak(
+                next,
+                stop,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    super::prefetch_lines(next as *const u8, stop - next);
+                    return true;
+                }
+                Err(now) => next = now,
+            }
+        }
+    }
 }
 
 /// One parallel call: items `0..n` handed out from `cursor` in shrinking chunks (guided
@@ -96,6 +138,8 @@ impl ComputePool {
             job: AtomicPtr::new(std::ptr::null_mut()),
             stop: AtomicBool::new(false),
             panicked: AtomicBool::new(false),
+            ahead_next: AtomicUsize::new(0),
+            ahead_end: AtomicUsize::new(0),
         });
         let workers = (1..threads.max(1))
             .map(|i| {
@@ -172,7 +216,9 @@ impl ComputePool {
         // still inside it.
         s.closed.store(generation, Ordering::SeqCst);
         while s.active.load(Ordering::SeqCst) != 0 {
-            std::hint::spin_loop();
+            if !s.prefetch_some() {
+                std::hint::spin_loop();
+            }
         }
         if let Err(payload) = mine {
             std::panic::resume_unwind(payload);
@@ -196,7 +242,9 @@ fn worker(s: &Shared) {
             if s.stop.load(Ordering::Relaxed) {
                 return;
             }
-            if spins < SPIN_LIMIT {
+            if s.prefetch_some() {
+                // Waiting with work of its own: the spin budget starts when it runs out.
+            } else if spins < SPIN_LIMIT {
                 spins += 1;
                 std::hint::spin_loop();
             } else {
@@ -277,6 +325,31 @@ pub fn for_each_range(n_items: usize, f: impl Fn(Range<usize>) + Sync) {
 pub fn for_each_range_tail(n_items: usize, max_chunk: usize, f: impl Fn(Range<usize>) + Sync) {
     let pool = current_pool();
     pool.for_each_range_with(n_items, max_chunk.min(pool.min_chunk(n_items)), f)
+}
+
+/// Says that the next parallel jobs will read `data` (the next matmul's weights, say): this
+/// pool's threads request its first [`AHEAD_LIMIT`] bytes into the caches while they wait
+/// (a worker for a job, the caller for the workers still inside one), so memory keeps
+/// streaming while the calling thread works alone between two jobs (a norm, rotary, the
+/// attention of a few heads). Replaces the region of an earlier call; a pool without workers
+/// ignores it.
+pub fn prefetch_ahead<T>(data: &[T]) {
+    let start = data.as_ptr() as usize;
+    let end = start.saturating_add(std::mem::size_of_val(data).min(AHEAD_LIMIT));
+    let set = |pool: &ComputePool| {
+        if pool.workers.is_empty() {
+            return;
+        }
+        let s = &*pool.shared;
+        // Stop the claims, move the end, then open the new region.
+        s.ahead_next.store(usize::MAX, Ordering::Relaxed);
+        s.ahead_end.store(end, Ordering::Relaxed);
+        s.ahead_next.store(start, Ordering::Relaxed);
+    };
+    CURRENT.with(|c| match c.borrow().as_deref() {
+        Some(pool) => set(pool),
+        None => set(process_pool()),
+    })
 }
 
 /// This thread's pool: its own, or the process-wide one.
@@ -436,6 +509,43 @@ mod tests {
         });
         assert_eq!(sum.load(Ordering::Relaxed), (0..64).sum::<usize>());
         assert_eq!(threads.lock().unwrap().len(), 2);
+    }
+
+    /// An announced region is requested a chunk at a time, each chunk once, up to
+    /// `AHEAD_LIMIT`; a new region replaces the old; the threads waiting after a job request
+    /// it on their own.
+    #[test]
+    fn waiting_threads_prefetch_the_announced_region() {
+        let pool = ComputePool::new(2, "test");
+        let s = &*pool.shared;
+        // Long enough for the worker to park: only this thread claims chunks.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let data = vec![1u8; AHEAD_LIMIT + 5 * AHEAD_CHUNK];
+        let start = data.as_ptr() as usize;
+        with_pool(&pool, || prefetch_ahead(&data));
+        let claims = std::iter::from_fn(|| s.prefetch_some().then_some(())).count();
+        // All of them here unless the worker was slow to park.
+        assert!(
+            claims > 0 && claims <= AHEAD_LIMIT / AHEAD_CHUNK,
+            "{claims} claims"
+        );
+        assert_eq!(s.ahead_next.load(Ordering::Relaxed), start + AHEAD_LIMIT);
+        assert!(!s.prefetch_some());
+
+        // A short region, then one a job's waiting threads consume on their own.
+        with_pool(&pool, || prefetch_ahead(&data[..100]));
+        assert!(s.prefetch_some());
+        assert!(!s.prefetch_some());
+        with_pool(&pool, || prefetch_ahead(&data));
+        pool.for_each_range(2, |_| {});
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while s.ahead_next.load(Ordering::Relaxed) < start + AHEAD_LIMIT {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the region was left unclaimed"
+            );
+            std::thread::yield_now();
+        }
     }
 
     /// `with_pool` routes `for_each_range` to the given pool and restores the previous one.

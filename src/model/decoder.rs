@@ -361,14 +361,24 @@ impl Model {
         // The previous layer's FFN output, added to the trunk in the pass of the next norm (or
         // after the last layer, below).
         let mut ffn_out: Option<Vec<f32>> = None;
+        // Before each matmul, the one after it is named, so the pool's idle threads stream
+        // its weights in while this thread works alone between the two.
         for (i, layer) in self.layers.iter().enumerate() {
             layer
                 .attn_norm
                 .add_forward(&mut x, ffn_out.take().as_deref(), &mut h);
+            layer.attn.o.prefetch_ahead();
             let a = self.attention(&layer.attn, &h, i, &angles, &attn_seqs, kv)?;
+            layer.mlp.gate_up.prefetch_ahead();
+            let a = layer.attn.o.forward_rows(&a, t)?;
             layer.ffn_norm.add_forward(&mut x, Some(&a), &mut h);
+            layer.mlp.down.prefetch_ahead();
             let gate_up = layer.mlp.gate_up.forward_rows(&h, t)?;
             silu_mul_rows(&mut gated, ffn, |r| (gate_up.row(0, r), gate_up.row(1, r)));
+            match self.layers.get(i + 1) {
+                Some(next) => next.attn.qkv.prefetch_ahead(),
+                None => self.lm_head.prefetch_ahead(),
+            }
             ffn_out = Some(layer.mlp.down.forward_rows(&gated, t)?);
         }
         if let Some(y) = ffn_out {
@@ -377,8 +387,8 @@ impl Model {
         Ok(Some((x, last_rows)))
     }
 
-    /// Self-attention of normalised rows `x` (`[tokens, hidden]`): the output projection's
-    /// rows, `[tokens, hidden]`.
+    /// Self-attention of normalised rows `x` (`[tokens, hidden]`): the attention output,
+    /// `[tokens, q_dim]`, before the output projection.
     fn attention(
         &self,
         attn: &Attention,
@@ -412,7 +422,7 @@ impl Model {
         timed(Part::Attention, || {
             kv.attention(layer, &q, c.num_heads, seqs, scale, &mut out)
         });
-        attn.o.forward_rows(&out, t)
+        Ok(out)
     }
 
     fn validate_batch(&self, batch: &[SeqInput], kv: &KvCache) -> Result<()> {

@@ -158,6 +158,8 @@ pub trait OwnKernel: Send + Sync {
     fn matmul_vec(&self, x: &[f32]) -> Vec<f32>;
     /// Row `row` dequantized into `out` (`in_features` values), where the layout supports it.
     fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool;
+    /// Has idle compute threads request the weights ahead of the next product.
+    fn prefetch_ahead(&self);
 }
 
 impl<K: QuantKernel> OwnKernel for K {
@@ -175,6 +177,9 @@ impl<K: QuantKernel> OwnKernel for K {
     }
     fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool {
         QuantKernel::dequantize_row(self, row, out)
+    }
+    fn prefetch_ahead(&self) {
+        QuantKernel::prefetch_ahead(self)
     }
 }
 
@@ -323,6 +328,14 @@ impl Linear {
         self.weight.own_kernel()
     }
 
+    /// Says that this is the next matmul to run: the compute pool's idle threads request
+    /// its weights into the caches meanwhile (our kernels; candle's go without).
+    pub fn prefetch_ahead(&self) {
+        if let Some(kernel) = self.own_kernel() {
+            kernel.prefetch_ahead();
+        }
+    }
+
     /// `x Wᵀ (+ b)` for the `rows` rows of `x` (row-major), as a row-major vector.
     pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         let mut y = self.weight.forward_rows(x, rows)?;
@@ -377,6 +390,14 @@ impl FusedLinear {
             .map(|w| Linear::new(w.matmul(backend)?, biases.next()))
             .collect::<Result<Vec<_>>>()
             .map(Self::Separate)
+    }
+
+    /// [`Linear::prefetch_ahead`] of the first matmul.
+    pub fn prefetch_ahead(&self) {
+        match self {
+            Self::Fused { linear, .. } => linear.prefetch_ahead(),
+            Self::Separate(linears) => linears.iter().take(1).for_each(Linear::prefetch_ahead),
+        }
     }
 
     /// Every projection of the `rows` rows of `x` (row-major, `in` each).

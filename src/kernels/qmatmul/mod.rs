@@ -194,6 +194,10 @@ unsafe impl<B: WeightBlock> QuantKernel for QuantMatrix<B> {
         (*self.data).as_ref().len()
     }
 
+    fn prefetch_ahead(&self) {
+        super::parallel::prefetch_ahead((*self.data).as_ref())
+    }
+
     unsafe fn matmul_quantized(&self, acts: &[B::Act], m: usize, out: DisjointOut, isa: Isa) {
         let kb = self.cols / Self::BLOCK;
         let n = self.rows;
@@ -245,6 +249,9 @@ pub unsafe trait QuantKernel: Send + Sync {
     fn cols(&self) -> usize;
     /// Bytes of weights (what one pass over the matrix reads).
     fn storage_bytes(&self) -> usize;
+    /// Has the pool's idle workers request the weights into the caches ahead of the next
+    /// product ([`prefetch_ahead`](super::parallel::prefetch_ahead)).
+    fn prefetch_ahead(&self);
     /// Writes row `row`'s `cols` values, dequantized as ggml does, to `out`, where the layout
     /// supports it (the interleaved one); `false` otherwise.
     fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool {

@@ -15,7 +15,7 @@
 //! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`).
 
 use super::{for_each_slice_tile, ActFormat, Isa, QuantKernel, WeightBlock};
-use crate::kernels::parallel::{for_each_range, DisjointOut};
+use crate::kernels::parallel::{for_each_range, prefetch_ahead, DisjointOut};
 
 /// Dispatches a tile of `sums.len()` activation rows to `$kernel::<T>` (or
 /// `$kernel::<G, T>`) for each listed `T`, with the instruction set `$isa`.
@@ -217,6 +217,10 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
 
     fn storage_bytes(&self) -> usize {
         std::mem::size_of_val(self.blocks.as_slice())
+    }
+
+    fn prefetch_ahead(&self) {
+        prefetch_ahead(&self.blocks)
     }
 
     fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool {
