@@ -186,15 +186,36 @@ impl Sampler {
     }
 }
 
-/// Index of the largest logit; the lowest index wins ties.
+/// Index of the largest logit; the lowest index wins ties, NaN never wins (0 when every value
+/// is NaN or the slice is empty).
+///
+/// Two passes, each over sixteen values at a time so the loops vectorise: the largest value
+/// (sixteen running maxima), then the first sixteen holding it. One pass that carries the best
+/// index compares every value with a load that waits on the previous comparison: 64–75 µs
+/// over a 49 152-token vocabulary on the development machine, against 8–17 µs this way (the
+/// largest value early or late).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks.clone() {
+        for (m, &l) in lanes.iter_mut().zip(chunk) {
+            *m = if l > *m { l } else { *m };
         }
     }
-    best as u32
+    let max = lanes
+        .iter()
+        .chain(rest)
+        .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    let before = chunks
+        .take_while(|chunk| !chunk.iter().fold(false, |hit, &l| hit | (l == max)))
+        .count()
+        * LANES;
+    logits[before..]
+        .iter()
+        .position(|&l| l == max)
+        .map_or(0, |i| before + i) as u32
 }
 
 #[cfg(test)]
@@ -209,6 +230,41 @@ mod tests {
     fn greedy_picks_the_largest_logit() {
         let mut s = sampler(SamplingParams::greedy());
         assert_eq!(s.sample(&[0.1, 3.0, 2.9, -1.0], &[], &[]), 1);
+    }
+
+    /// Against the plain definition (the first index of the largest non-NaN value) on
+    /// random logits with ties, infinities and NaN, at lengths around the lane count.
+    #[test]
+    fn argmax_is_the_first_largest_value() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for len in [0usize, 1, 2, 15, 16, 17, 33, 1000, 49_152] {
+            for case in 0..4 {
+                // Few distinct values, so the largest repeats.
+                let mut logits: Vec<f32> = (0..len)
+                    .map(|_| rng.random_range(0..8) as f32 - 4.0)
+                    .collect();
+                if len > 0 {
+                    match case {
+                        1 => logits[rng.random_range(0..len)] = f32::NAN,
+                        2 => logits[rng.random_range(0..len)] = f32::INFINITY,
+                        3 => logits.iter_mut().for_each(|l| *l = f32::NEG_INFINITY),
+                        _ => {}
+                    }
+                }
+                let expected = logits
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, l)| !l.is_nan())
+                    .fold(None, |best: Option<(usize, f32)>, (i, &l)| match best {
+                        Some((_, b)) if b >= l => best,
+                        _ => Some((i, l)),
+                    })
+                    .map_or(0, |(i, _)| i);
+                assert_eq!(argmax(&logits) as usize, expected, "len {len}, case {case}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NAN, 1.0, 3.0, 3.0]), 2);
+        assert_eq!(argmax(&[f32::NAN; 40]), 0);
     }
 
     #[test]
