@@ -83,55 +83,59 @@ impl Weight {
         })
     }
 
-    /// The matrices' rows one after another, as one matrix, where they share a storage
-    /// format (the same quantized type, or all dense) and a row width; `None` otherwise.
+    /// Whether [`Weight::stack`] can put the two matrices' rows together: the same storage
+    /// format (one quantized type on the CPU, or one dense dtype) and the same row width.
+    pub fn stacks_with(&self, other: &Weight) -> bool {
+        match (self, other) {
+            (Self::Quantized(a), Self::Quantized(b)) => {
+                a.device().is_cpu()
+                    && b.device().is_cpu()
+                    && a.dtype() == b.dtype()
+                    && matches!((a.shape().dims2(), b.shape().dims2()), (Ok(x), Ok(y)) if x.1 == y.1)
+            }
+            (Self::Dense(a), Self::Dense(b)) => {
+                a.dtype() == b.dtype()
+                    && matches!((a.dims2(), b.dims2()), (Ok(x), Ok(y)) if x.1 == y.1)
+            }
+            _ => false,
+        }
+    }
+
+    /// The matrices' rows one after another, as one matrix, where each [stacks
+    /// with](Self::stacks_with) the first; `None` otherwise (or for no matrices).
     pub fn stack(parts: &[Weight]) -> Result<Option<Weight>> {
-        let cols_of = |w: &Weight| match w {
-            Self::Quantized(q) => q.shape().dims2().map(|d| d.1).ok(),
-            Self::Dense(t) => t.dims2().map(|d| d.1).ok(),
-        };
-        let Some(cols) = parts.first().and_then(cols_of) else {
+        let Some(first) = parts.first() else {
             return Ok(None);
         };
-        if parts.iter().any(|w| cols_of(w) != Some(cols)) {
+        if !parts.iter().all(|w| w.stacks_with(first)) {
             return Ok(None);
         }
-        let quantized: Vec<&Arc<QTensor>> = parts
-            .iter()
-            .filter_map(|w| match w {
-                Self::Quantized(q) if q.device().is_cpu() => Some(q),
-                _ => None,
-            })
-            .collect();
-        if quantized.len() == parts.len() {
-            let dtype = quantized[0].dtype();
-            if quantized.iter().any(|q| q.dtype() != dtype) {
-                return Ok(None);
+        Ok(Some(match first {
+            Self::Quantized(q) => {
+                let mut bytes = Vec::new();
+                let mut rows = 0;
+                for w in parts {
+                    if let Self::Quantized(part) = w {
+                        bytes.extend_from_slice(&part.data()?);
+                        rows += part.shape().dims2()?.0;
+                    }
+                }
+                let cols = q.shape().dims2()?.1;
+                let storage =
+                    QStorage::from_data(std::borrow::Cow::Owned(bytes), &q.device(), q.dtype())?;
+                Self::Quantized(Arc::new(QTensor::new(storage, (rows, cols))?))
             }
-            let mut bytes = Vec::new();
-            let mut rows = 0;
-            for q in &quantized {
-                bytes.extend_from_slice(&q.data()?);
-                rows += q.shape().dims2()?.0;
+            Self::Dense(_) => {
+                let dense: Vec<&Tensor> = parts
+                    .iter()
+                    .filter_map(|w| match w {
+                        Self::Dense(t) => Some(t),
+                        Self::Quantized(_) => None,
+                    })
+                    .collect();
+                Self::Dense(Tensor::cat(&dense, 0)?)
             }
-            let device = quantized[0].device();
-            let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &device, dtype)?;
-            return Ok(Some(Self::Quantized(Arc::new(QTensor::new(
-                storage,
-                (rows, cols),
-            )?))));
-        }
-        let dense: Vec<&Tensor> = parts
-            .iter()
-            .filter_map(|w| match w {
-                Self::Dense(t) => Some(t),
-                Self::Quantized(_) => None,
-            })
-            .collect();
-        if dense.len() == parts.len() && dense.iter().all(|t| t.dtype() == dense[0].dtype()) {
-            return Ok(Some(Self::Dense(Tensor::cat(&dense, 0)?)));
-        }
-        Ok(None)
+        }))
     }
 
     /// Rows `ids` of the matrix (embedding lookup), as `[ids, cols]` `f32`.
@@ -348,13 +352,14 @@ impl Linear {
     }
 }
 
-/// Projections of one input (q/k/v, gate/up) as one matmul where their weights share a
-/// format: rows stacked at load, one pass over the input (quantized once, one parallel call),
-/// the output split after. Separate matmuls otherwise (a checkpoint that quantizes `v` more
-/// finely than `q` and `k`, say).
-pub enum FusedLinear {
-    Fused { linear: Linear, parts: Vec<usize> },
-    Separate(Vec<Linear>),
+/// Projections of one input (q/k/v, gate/up) in as few matmuls as their formats allow:
+/// consecutive projections whose weights share a format have their rows stacked at load and
+/// run as one matmul (one pass over the input, quantized once, one parallel call), the output
+/// split after. A checkpoint that quantizes `v` more finely than `q` and `k` (Qwen2.5's Q4_K
+/// files keep `v` in Q6_K) runs `q` and `k` together and `v` alone.
+pub struct FusedLinear {
+    /// Each matmul and the widths of the projections it holds, in order.
+    groups: Vec<(Linear, Vec<usize>)>,
 }
 
 impl FusedLinear {
@@ -374,66 +379,51 @@ impl FusedLinear {
                 biases.push(src.vector(&format!("{name}.bias"), rows)?);
             }
         }
-        if let Some(stacked) = Weight::stack(&weights)? {
+        let mut groups = Vec::new();
+        let mut start = 0;
+        while start < parts.len() {
+            let end = start
+                + 1
+                + weights[start + 1..]
+                    .iter()
+                    .take_while(|w| w.stacks_with(&weights[start]))
+                    .count();
+            let weight = match end - start {
+                1 => weights[start].clone(),
+                _ => Weight::stack(&weights[start..end])?
+                    .expect("weights of one format and row width stack"),
+            };
             let bias = match bias {
-                true => Some(Tensor::cat(&biases, 0)?),
+                true => Some(Tensor::cat(&biases[start..end], 0)?),
                 false => None,
             };
-            return Ok(Self::Fused {
-                linear: Linear::new(stacked.matmul(backend)?, bias)?,
-                parts: parts.iter().map(|p| p.1).collect(),
-            });
+            let widths = parts[start..end].iter().map(|p| p.1).collect();
+            groups.push((Linear::new(weight.matmul(backend)?, bias)?, widths));
+            start = end;
         }
-        let mut biases = biases.into_iter();
-        weights
-            .iter()
-            .map(|w| Linear::new(w.matmul(backend)?, biases.next()))
-            .collect::<Result<Vec<_>>>()
-            .map(Self::Separate)
+        Ok(Self { groups })
     }
 
     /// [`Linear::prefetch_ahead`] of the first matmul.
     pub fn prefetch_ahead(&self) {
-        match self {
-            Self::Fused { linear, .. } => linear.prefetch_ahead(),
-            Self::Separate(linears) => linears.iter().take(1).for_each(Linear::prefetch_ahead),
+        if let Some((linear, _)) = self.groups.first() {
+            linear.prefetch_ahead();
         }
     }
 
     /// Every projection of the `rows` rows of `x` (row-major, `in` each).
     pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Projections> {
-        Ok(match self {
-            Self::Fused { linear, parts } => {
-                let mut offset = 0;
-                let parts = parts
-                    .iter()
-                    .map(|&width| {
-                        offset += width;
-                        (0, offset - width, width)
-                    })
-                    .collect();
-                Projections {
-                    matrices: vec![(linear.forward_rows(x, rows)?, offset)],
-                    parts,
-                }
+        let mut matrices = Vec::with_capacity(self.groups.len());
+        let mut parts = Vec::new();
+        for (m, (linear, widths)) in self.groups.iter().enumerate() {
+            let mut offset = 0;
+            for &width in widths {
+                parts.push((m, offset, width));
+                offset += width;
             }
-            Self::Separate(linears) => {
-                let matrices = linears
-                    .iter()
-                    .map(|l| {
-                        let y = l.forward_rows(x, rows)?;
-                        let width = y.len() / rows.max(1);
-                        Ok((y, width))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let parts = matrices
-                    .iter()
-                    .enumerate()
-                    .map(|(i, m)| (i, 0, m.1))
-                    .collect();
-                Projections { matrices, parts }
-            }
-        })
+            matrices.push((linear.forward_rows(x, rows)?, offset));
+        }
+        Ok(Projections { matrices, parts })
     }
 }
 
@@ -490,4 +480,76 @@ pub fn check_shape(name: &str, got: &[usize], expected: &[usize]) -> Result<()> 
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use candle_core::Device;
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    /// Matrices and vectors held in memory, by name.
+    struct Memory(HashMap<String, Weight>, HashMap<String, Tensor>);
+
+    impl WeightSource for Memory {
+        fn matrix(&mut self, name: &str, _rows: usize, _cols: usize) -> Result<Weight> {
+            Ok(self.0[name].clone())
+        }
+        fn vector(&mut self, name: &str, _len: usize) -> Result<Tensor> {
+            Ok(self.1[name].clone())
+        }
+        fn contains(&self, name: &str) -> bool {
+            self.0.contains_key(name) || self.1.contains_key(name)
+        }
+        fn backend(&self) -> MatmulBackend {
+            MatmulBackend::Native
+        }
+    }
+
+    /// q/k/v in every grouping of formats: consecutive projections of one format run as one
+    /// matmul, and every projection's output (bias included) is, bit for bit, what its own
+    /// matmul gives.
+    #[test]
+    fn projections_of_one_format_share_a_matmul() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let (cols, rows) = (64, [16, 8, 8]);
+        let mut random =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
+        let x = random(3 * cols);
+        let dev = Device::Cpu;
+        for (types, matmuls) in [
+            ([GgmlDType::Q4_0, GgmlDType::Q4_0, GgmlDType::Q8_0], 2),
+            ([GgmlDType::Q4_1, GgmlDType::Q4_1, GgmlDType::Q4_1], 1),
+            ([GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q8_0], 3),
+        ] {
+            let mut src = Memory(HashMap::new(), HashMap::new());
+            let names = ["q", "k", "v"];
+            for ((name, &r), dtype) in names.iter().zip(&rows).zip(types) {
+                let t = Tensor::from_vec(random(r * cols), (r, cols), &dev).unwrap();
+                let q = QTensor::quantize(&t, dtype).unwrap();
+                src.0
+                    .insert(format!("{name}.weight"), Weight::Quantized(Arc::new(q)));
+                let b = Tensor::from_vec(random(r), r, &dev).unwrap();
+                src.1.insert(format!("{name}.bias"), b);
+            }
+            let parts: Vec<(&str, usize)> = names.iter().copied().zip(rows).collect();
+            let fused = FusedLinear::load(&mut src, &parts, cols, true).unwrap();
+            assert_eq!(fused.groups.len(), matmuls, "{types:?}");
+            let out = fused.forward_rows(&x, 3).unwrap();
+            for (i, (name, width)) in parts.iter().enumerate() {
+                let alone = Linear::load(&mut src, name, *width, cols, true).unwrap();
+                let y = alone.forward_rows(&x, 3).unwrap();
+                for r in 0..3 {
+                    assert_eq!(
+                        out.row(i, r),
+                        &y[r * width..(r + 1) * width],
+                        "{types:?} {name}"
+                    );
+                }
+            }
+        }
+    }
 }
