@@ -98,6 +98,24 @@ pub(crate) fn dot<T: KvElem>(a: &[f32], b: &[T]) -> f32 {
     sum
 }
 
+/// The largest value of `xs`, NaN ignored (−∞ for none): sixteen running maxima, so the loop
+/// vectorises (a fold through `f32::max` waits on every comparison in turn).
+pub fn max_value(xs: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &x) in lanes.iter_mut().zip(chunk) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    lanes
+        .iter()
+        .chain(rest)
+        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
+}
+
 /// `acc += w * x`, element-wise.
 #[inline]
 pub(crate) fn axpy<T: KvElem>(acc: &mut [f32], w: f32, x: &[T]) {
