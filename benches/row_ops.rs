@@ -3,8 +3,8 @@
 //! row-parallel pass against the three single-thread passes it replaced, SiLU·gate rows spread
 //! over the pool against one row after another, rotary embedding, and the routing features
 //! (entropy, largest probability, top logits) against a softmax materialised, or a row
-//! sorted, per row. Shapes are the 1.5B model's
-//! (hidden 1536, FFN 8960, 12 heads of 128, vocabulary 151 936).
+//! sorted, per row. Shapes are the 1.5B model's (hidden 1536, FFN 8960, 12 heads of 128,
+//! vocabulary 151 936).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rand::{Rng, SeedableRng};
