@@ -4,8 +4,8 @@
 //! another model's; a thread without one uses a process-wide pool over every core.
 //!
 //! Workers spin for a short while after each job (the next matmul of a forward pass follows
-//! within microseconds) and then park, so an idle model's workers leave the cores to the
-//! others. The caller never waits for a worker that has not started: a job is closed when
+//! within microseconds), after requesting any announced prefetch region (below), and then
+//! park, so an idle model's workers leave the cores to the others. The caller never waits for a worker that has not started: a job is closed when
 //! its items are all taken, and workers that arrive later skip it.
 //!
 //! A waiting thread need not idle: [`prefetch_ahead`] names the memory the next job will
@@ -19,7 +19,8 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
-/// Spins of a worker waiting for the next job before it parks (tens of microseconds).
+/// Spins of a worker waiting for the next job before it parks (tens of microseconds, counted
+/// once any prefetch region is requested).
 const SPIN_LIMIT: u32 = 20_000;
 /// Bytes of a [`prefetch_ahead`] region a waiting worker requests between two looks for a
 /// job.
@@ -55,13 +56,36 @@ struct Shared {
 }
 
 impl Shared {
+    fn new() -> Self {
+        Self {
+            generation: AtomicUsize::new(0),
+            closed: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            stop: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
+            ahead_next: AtomicUsize::new(0),
+            ahead_end: AtomicUsize::new(0),
+        }
+    }
+
+    /// Makes `start..end` the prefetch region: stops the claims, moves the end, then opens the
+    /// new region.
+    fn announce(&self, start: usize, end: usize) {
+        self.ahead_next.store(usize::MAX, Ordering::Relaxed);
+        self.ahead_end.store(end, Ordering::Relaxed);
+        self.ahead_next.store(start, Ordering::Release);
+    }
+
     /// Requests the next chunk of the prefetch region into the caches; `false` when none is
-    /// left.
+    /// left. A region longer than [`AHEAD_LIMIT`] (one announcement's start read with
+    /// another's end, when two threads announce at once) counts as none left, so a mixed pair
+    /// never keeps the waiting threads requesting unrelated memory.
     fn prefetch_some(&self) -> bool {
-        let mut next = self.ahead_next.load(Ordering::Relaxed);
+        let mut next = self.ahead_next.load(Ordering::Acquire);
         loop {
             let end = self.ahead_end.load(Ordering::Relaxed);
-            if next >= end {
+            if next >= end || end - next > AHEAD_LIMIT {
                 return false;
             }
             let stop = next.saturating_add(AHEAD_CHUNK).min(end);
@@ -69,7 +93,7 @@ impl Shared {
                 next,
                 stop,
                 Ordering::Relaxed,
-                Ordering::Relaxed,
+                Ordering::Acquire,
             ) {
                 Ok(_) => {
                     super::prefetch_lines(next as *const u8, stop - next);
@@ -131,16 +155,7 @@ impl ComputePool {
     /// A pool of `threads` compute threads (at least 1: the caller alone), its workers named
     /// `{name}-{i}`.
     pub fn new(threads: usize, name: &str) -> Arc<Self> {
-        let shared = Arc::new(Shared {
-            generation: AtomicUsize::new(0),
-            closed: AtomicUsize::new(0),
-            active: AtomicUsize::new(0),
-            job: AtomicPtr::new(std::ptr::null_mut()),
-            stop: AtomicBool::new(false),
-            panicked: AtomicBool::new(false),
-            ahead_next: AtomicUsize::new(0),
-            ahead_end: AtomicUsize::new(0),
-        });
+        let shared = Arc::new(Shared::new());
         let workers = (1..threads.max(1))
             .map(|i| {
                 let shared = shared.clone();
@@ -242,9 +257,11 @@ fn worker(s: &Shared) {
             if s.stop.load(Ordering::Relaxed) {
                 return;
             }
+            // A region to request is work of its own: the spin budget starts when it is done.
             if s.prefetch_some() {
-                // Waiting with work of its own: the spin budget starts when it runs out.
-            } else if spins < SPIN_LIMIT {
+                continue;
+            }
+            if spins < SPIN_LIMIT {
                 spins += 1;
                 std::hint::spin_loop();
             } else {
@@ -331,24 +348,23 @@ pub fn for_each_range_tail(n_items: usize, max_chunk: usize, f: impl Fn(Range<us
 /// pool's threads request its first [`AHEAD_LIMIT`] bytes into the caches while they wait
 /// (a worker for a job, the caller for the workers still inside one), so memory keeps
 /// streaming while the calling thread works alone between two jobs (a norm, rotary, the
-/// attention of a few heads). Replaces the region of an earlier call; a pool without workers
-/// ignores it.
+/// attention of a few heads). Replaces the region of an earlier call. A pool without workers
+/// ignores it, and so does a call from inside a job (it would name a pool the job's threads
+/// do not wait in).
 pub fn prefetch_ahead<T>(data: &[T]) {
+    if IN_JOB.with(|w| w.get()) {
+        return;
+    }
     let start = data.as_ptr() as usize;
     let end = start.saturating_add(std::mem::size_of_val(data).min(AHEAD_LIMIT));
-    let set = |pool: &ComputePool| {
-        if pool.workers.is_empty() {
-            return;
+    let announce = |pool: &ComputePool| {
+        if !pool.workers.is_empty() {
+            pool.shared.announce(start, end);
         }
-        let s = &*pool.shared;
-        // Stop the claims, move the end, then open the new region.
-        s.ahead_next.store(usize::MAX, Ordering::Relaxed);
-        s.ahead_end.store(end, Ordering::Relaxed);
-        s.ahead_next.store(start, Ordering::Relaxed);
     };
     CURRENT.with(|c| match c.borrow().as_deref() {
-        Some(pool) => set(pool),
-        None => set(process_pool()),
+        Some(pool) => announce(pool),
+        None => announce(process_pool()),
     })
 }
 
@@ -415,166 +431,4 @@ impl<T> DisjointOut<T> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every item is visited exactly once, for many job sizes on one pool, back to back.
-    #[test]
-    fn every_item_once() {
-        let pool = ComputePool::new(3, "test");
-        for n in [0usize, 1, 2, 3, 7, 64, 1000, 4097] {
-            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-            pool.for_each_range(n, |r| {
-                for i in r {
-                    hits[i].fetch_add(1, Ordering::Relaxed);
-                }
-            });
-            assert!(
-                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
-                "n = {n}"
-            );
-        }
-    }
-
-    /// A chosen chunk floor (0 read as 1, one larger than the job) still covers every item
-    /// once, and the tail floor never exceeds the pool's own.
-    #[test]
-    fn every_item_once_with_any_chunk_floor() {
-        let pool = ComputePool::new(2, "test");
-        for (n, min_chunk) in [
-            (1000usize, 0usize),
-            (1000, 1),
-            (1000, 7),
-            (5, 100),
-            (4097, 3),
-        ] {
-            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-            pool.for_each_range_with(n, min_chunk, |r| {
-                for i in r {
-                    hits[i].fetch_add(1, Ordering::Relaxed);
-                }
-            });
-            assert!(
-                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
-                "n = {n}, floor {min_chunk}"
-            );
-        }
-        assert_eq!(pool.min_chunk(1000), 32);
-        with_pool(&pool, || {
-            let largest = AtomicUsize::new(0);
-            for_each_range_tail(1000, 1000, |r| {
-                largest.fetch_max(r.len(), Ordering::Relaxed);
-            });
-            // The first grab takes a quarter; a floor of 1000 would have taken everything.
-            assert!(largest.load(Ordering::Relaxed) < 1000);
-        });
-    }
-
-    /// Chunks shrink from a quarter of the items (two threads) to the floor, cover every item
-    /// once in order, and end exactly at `n`.
-    #[test]
-    fn chunks_shrink_to_the_floor() {
-        let f = |_: Range<usize>| {};
-        let job = Job {
-            f: &f,
-            n: 1000,
-            spread: 4,
-            min_chunk: 32,
-            cursor: AtomicUsize::new(0),
-        };
-        let chunks: Vec<Range<usize>> = std::iter::from_fn(|| job.grab()).collect();
-        let sizes: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
-        assert_eq!(
-            sizes,
-            [250, 187, 140, 105, 79, 59, 45, 33, 32, 32, 32, 6],
-            "guided sizes"
-        );
-        assert!(chunks.windows(2).all(|w| w[0].end == w[1].start));
-        assert_eq!((chunks[0].start, chunks.last().unwrap().end), (0, 1000));
-    }
-
-    /// Work spreads over the workers (they wake from parking) and the results add up.
-    #[test]
-    fn workers_take_part_after_parking() {
-        let pool = ComputePool::new(2, "test");
-        // Long enough for the worker to park.
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        let threads = Mutex::new(std::collections::HashSet::new());
-        let sum = AtomicUsize::new(0);
-        pool.for_each_range(64, |r| {
-            threads.lock().unwrap().insert(std::thread::current().id());
-            // Slow items, so the worker wakes before the caller takes them all.
-            std::thread::sleep(std::time::Duration::from_millis(2));
-            sum.fetch_add(r.sum::<usize>(), Ordering::Relaxed);
-        });
-        assert_eq!(sum.load(Ordering::Relaxed), (0..64).sum::<usize>());
-        assert_eq!(threads.lock().unwrap().len(), 2);
-    }
-
-    /// An announced region is requested a chunk at a time, each chunk once, up to
-    /// `AHEAD_LIMIT`; a new region replaces the old; the threads waiting after a job request
-    /// it on their own.
-    #[test]
-    fn waiting_threads_prefetch_the_announced_region() {
-        let pool = ComputePool::new(2, "test");
-        let s = &*pool.shared;
-        // Long enough for the worker to park: only this thread claims chunks.
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        let data = vec![1u8; AHEAD_LIMIT + 5 * AHEAD_CHUNK];
-        let start = data.as_ptr() as usize;
-        with_pool(&pool, || prefetch_ahead(&data));
-        let claims = std::iter::from_fn(|| s.prefetch_some().then_some(())).count();
-        // All of them here unless the worker was slow to park.
-        assert!(
-            claims > 0 && claims <= AHEAD_LIMIT / AHEAD_CHUNK,
-            "{claims} claims"
-        );
-        assert_eq!(s.ahead_next.load(Ordering::Relaxed), start + AHEAD_LIMIT);
-        assert!(!s.prefetch_some());
-
-        // A short region, then one a job's waiting threads consume on their own.
-        with_pool(&pool, || prefetch_ahead(&data[..100]));
-        assert!(s.prefetch_some());
-        assert!(!s.prefetch_some());
-        with_pool(&pool, || prefetch_ahead(&data));
-        pool.for_each_range(2, |_| {});
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while s.ahead_next.load(Ordering::Relaxed) < start + AHEAD_LIMIT {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the region was left unclaimed"
-            );
-            std::thread::yield_now();
-        }
-    }
-
-    /// `with_pool` routes `for_each_range` to the given pool and restores the previous one.
-    #[test]
-    fn with_pool_scopes_the_pool() {
-        let one = ComputePool::new(1, "test");
-        let caller = std::thread::current().id();
-        with_pool(&one, || {
-            for_each_range(100, |_| assert_eq!(std::thread::current().id(), caller));
-        });
-        assert!(CURRENT.with(|c| c.borrow().is_none()));
-    }
-
-    /// A panic in a task reaches the caller, and the pool keeps working.
-    #[test]
-    fn a_panicking_task_panics_the_caller() {
-        let pool = ComputePool::new(2, "test");
-        let result = catch_unwind(AssertUnwindSafe(|| {
-            pool.for_each_range(100, |r| {
-                if r.contains(&57) {
-                    panic!("item 57");
-                }
-            })
-        }));
-        assert!(result.is_err());
-        let sum = AtomicUsize::new(0);
-        pool.for_each_range(10, |r| {
-            sum.fetch_add(r.len(), Ordering::Relaxed);
-        });
-        assert_eq!(sum.load(Ordering::Relaxed), 10);
-    }
-}
+mod tests;
