@@ -459,6 +459,27 @@ pub(crate) fn exp_portable(xs: &mut [f32]) -> f32 {
 mod tests {
     use super::*;
 
+    /// The largest value against a plain fold, NaN ignored, at lengths around the lane count.
+    #[test]
+    fn max_value_is_the_largest_non_nan() {
+        for len in [0usize, 1, 15, 16, 17, 100] {
+            let mut xs: Vec<f32> = (0..len).map(|i| ((i * 37 % 23) as f32) - 11.0).collect();
+            if len > 3 {
+                xs[len / 2] = f32::NAN;
+            }
+            let want = xs
+                .iter()
+                .filter(|x| !x.is_nan())
+                .fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            assert_eq!(max_value(&xs), want, "len {len}");
+        }
+        assert_eq!(max_value(&[f32::NAN; 20]), f32::NEG_INFINITY);
+        assert_eq!(
+            max_value(&[f32::NEG_INFINITY, f32::INFINITY]),
+            f32::INFINITY
+        );
+    }
+
     /// The vector scores and weighted sums against f64 sums over the stored values, for
     /// `f32` and `f16` rows.
     fn check_simd_rows<T: KvElem>() {

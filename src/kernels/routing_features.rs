@@ -99,15 +99,22 @@ fn row_entropy(row: &[f32]) -> f32 {
 
 /// Z = Σ exp(x − m) over `row` and, when `with_x`, Σ exp(x − m)·(x − m): the exponentials
 /// through [`exp_in_place`] a chunk of the row at a time in a stack buffer, each chunk's sums
-/// in `f32` and the chunks' in `f64` (one `f64` exponential per value took ~1 ms over a
-/// 151 936-token row).
+/// in `f32` and the chunks' in `f64` (several times faster than one `f64` exponential per
+/// value; see the `row_ops` bench). A NaN logit counts as −∞, a masked token, as
+/// [`max_value`] ignores it.
 fn softmax_sums(row: &[f32], m: f32, with_x: bool) -> (f64, f64) {
     const CHUNK: usize = 1024;
     let mut buf = [0f32; CHUNK];
     let (mut z, mut zx) = (0f64, 0f64);
     for xs in row.chunks(CHUNK) {
         let e = &mut buf[..xs.len()];
-        e.iter_mut().zip(xs).for_each(|(e, &x)| *e = x - m);
+        e.iter_mut().zip(xs).for_each(|(e, &x)| {
+            *e = if x > f32::NEG_INFINITY {
+                x - m
+            } else {
+                f32::NEG_INFINITY
+            }
+        });
         z += exp_in_place(e) as f64;
         if with_x {
             zx += weighted_offsets(e, xs, m) as f64;
@@ -116,9 +123,9 @@ fn softmax_sums(row: &[f32], m: f32, with_x: bool) -> (f64, f64) {
     (z, zx)
 }
 
-/// Σ e·(x − m), in eight lanes so the loop vectorises. The offset is floored where
-/// [`exp_in_place`] floors its argument: a −∞ logit's weight is ~1e-38 there, not 0, and
-/// times −∞ would make the sum −∞.
+/// Σ e·(x − m), in eight lanes so the loop vectorises. The offset is floored at −88, below
+/// the lowest argument [`exp_in_place`]'s vector path takes (−87.3): a −∞ (or NaN) logit's
+/// weight is ~1e-38 there, not 0, and times −∞ would make the sum −∞.
 fn weighted_offsets(e: &[f32], xs: &[f32], m: f32) -> f32 {
     let offset = |x: f32| (x - m).max(-88.0);
     let mut acc = [0f32; 8];
@@ -179,7 +186,7 @@ mod tests {
         let mut out = [0.0; 1];
         entropy_rows(&logits, vocab, &[0], &mut out);
         let want = reference(&logits);
-        assert!((out[0] - want).abs() < 1e-3 * want, "{} vs {want}", out[0]);
+        assert!((out[0] - want).abs() < 1e-5 * want, "{} vs {want}", out[0]);
         max_prob_rows(&logits, vocab, &[0], &mut out);
         let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
         let top = 1.0 / logits.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>();
@@ -189,15 +196,17 @@ mod tests {
             out[0]
         );
 
-        let masked = [
-            0.0,
-            f32::NEG_INFINITY,
-            0.0,
-            f32::NEG_INFINITY,
-            f32::NEG_INFINITY,
-        ];
-        entropy_rows(&masked, 5, &[0], &mut out);
+        // Masked and NaN logits in the vector lanes and the tail (37 values: 32 + 5) carry no
+        // probability.
+        let mut masked = vec![f32::NEG_INFINITY; 37];
+        masked[3] = 0.5;
+        masked[34] = 0.5;
+        masked[10] = f32::NAN;
+        masked[35] = f32::NAN;
+        entropy_rows(&masked, 37, &[0], &mut out);
         assert!((out[0] - 2f32.ln()).abs() < 1e-6, "{}", out[0]);
+        max_prob_rows(&masked, 37, &[0], &mut out);
+        assert!((out[0] - 0.5).abs() < 1e-6, "{}", out[0]);
     }
 
     #[test]

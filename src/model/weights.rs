@@ -509,22 +509,25 @@ mod tests {
         }
     }
 
-    /// q/k/v in every grouping of formats: consecutive projections of one format run as one
-    /// matmul, and every projection's output (bias included) is, bit for bit, what its own
-    /// matmul gives.
+    /// q/k/v in every grouping of formats (the 32-value ones and the K-quants, with and
+    /// without biases): consecutive projections of one format run as one matmul, and every
+    /// projection's output is, bit for bit, what its own matmul gives.
     #[test]
     fn projections_of_one_format_share_a_matmul() {
+        use GgmlDType::{Q4K, Q4_0, Q4_1, Q6K, Q8_0};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        let (cols, rows) = (64, [16, 8, 8]);
-        let mut random =
-            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
-        let x = random(3 * cols);
+        let rows = [16, 8, 8];
         let dev = Device::Cpu;
-        for (types, matmuls) in [
-            ([GgmlDType::Q4_0, GgmlDType::Q4_0, GgmlDType::Q8_0], 2),
-            ([GgmlDType::Q4_1, GgmlDType::Q4_1, GgmlDType::Q4_1], 1),
-            ([GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q8_0], 3),
+        for (types, cols, bias, matmuls) in [
+            ([Q4_0, Q4_0, Q8_0], 64, true, 2),
+            ([Q8_0, Q4_0, Q4_0], 64, false, 2),
+            ([Q4_1, Q4_1, Q4_1], 64, true, 1),
+            ([Q8_0, Q4_0, Q8_0], 64, false, 3),
+            ([Q4K, Q4K, Q6K], 256, true, 2),
         ] {
+            let mut random =
+                |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
+            let x = random(3 * cols);
             let mut src = Memory(HashMap::new(), HashMap::new());
             let names = ["q", "k", "v"];
             for ((name, &r), dtype) in names.iter().zip(&rows).zip(types) {
@@ -536,11 +539,11 @@ mod tests {
                 src.1.insert(format!("{name}.bias"), b);
             }
             let parts: Vec<(&str, usize)> = names.iter().copied().zip(rows).collect();
-            let fused = FusedLinear::load(&mut src, &parts, cols, true).unwrap();
+            let fused = FusedLinear::load(&mut src, &parts, cols, bias).unwrap();
             assert_eq!(fused.groups.len(), matmuls, "{types:?}");
             let out = fused.forward_rows(&x, 3).unwrap();
             for (i, (name, width)) in parts.iter().enumerate() {
-                let alone = Linear::load(&mut src, name, *width, cols, true).unwrap();
+                let alone = Linear::load(&mut src, name, *width, cols, bias).unwrap();
                 let y = alone.forward_rows(&x, 3).unwrap();
                 for r in 0..3 {
                     assert_eq!(
