@@ -5,8 +5,9 @@
 //!
 //! Workers spin for a short while after each job (the next matmul of a forward pass follows
 //! within microseconds), after requesting any announced prefetch region (below), and then
-//! park, so an idle model's workers leave the cores to the others. The caller never waits for a worker that has not started: a job is closed when
-//! its items are all taken, and workers that arrive later skip it.
+//! park, so an idle model's workers leave the cores to the others. The caller never waits for
+//! a worker that has not started: a job is closed when its items are all taken, and workers
+//! that arrive later skip it.
 //!
 //! A waiting thread need not idle: [`prefetch_ahead`] names the memory the next job will
 //! read, and the pool's threads request it into the caches while they wait, so a decode

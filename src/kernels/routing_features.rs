@@ -4,7 +4,7 @@
 //! once through a small sorted buffer; neither allocates per row.
 
 use super::parallel::{for_each_range, DisjointOut};
-use super::{exp_in_place, max_value};
+use super::{dot, exp_in_place, max_value};
 
 /// `out[k]` = entropy of the softmax of row `rows[k]` of `logits` (`[_, vocab]`).
 pub fn entropy_rows(logits: &[f32], vocab: usize, rows: &[usize], out: &mut [f32]) {
@@ -98,49 +98,27 @@ fn row_entropy(row: &[f32]) -> f32 {
 }
 
 /// Z = Σ exp(x − m) over `row` and, when `with_x`, Σ exp(x − m)·(x − m): the exponentials
-/// through [`exp_in_place`] a chunk of the row at a time in a stack buffer, each chunk's sums
+/// through [`exp_in_place`] a chunk of the row at a time in stack buffers, each chunk's sums
 /// in `f32` and the chunks' in `f64` (several times faster than one `f64` exponential per
-/// value; see the `row_ops` bench). A NaN logit counts as −∞, a masked token, as
-/// [`max_value`] ignores it.
+/// value; see the `row_ops` bench). The offsets x − m are floored at −88, below the lowest
+/// argument the vector exp takes (−87.3), so a −∞ (masked) or NaN logit weighs ~1e-38, and
+/// its offset times that weight stays finite.
 fn softmax_sums(row: &[f32], m: f32, with_x: bool) -> (f64, f64) {
     const CHUNK: usize = 1024;
-    let mut buf = [0f32; CHUNK];
+    let (mut offsets, mut exps) = ([0f32; CHUNK], [0f32; CHUNK]);
     let (mut z, mut zx) = (0f64, 0f64);
     for xs in row.chunks(CHUNK) {
-        let e = &mut buf[..xs.len()];
-        e.iter_mut().zip(xs).for_each(|(e, &x)| {
-            *e = if x > f32::NEG_INFINITY {
-                x - m
-            } else {
-                f32::NEG_INFINITY
-            }
-        });
+        let (d, e) = (&mut offsets[..xs.len()], &mut exps[..xs.len()]);
+        d.iter_mut()
+            .zip(xs)
+            .for_each(|(d, &x)| *d = (x - m).max(-88.0));
+        e.copy_from_slice(d);
         z += exp_in_place(e) as f64;
         if with_x {
-            zx += weighted_offsets(e, xs, m) as f64;
+            zx += dot(e, d) as f64;
         }
     }
     (z, zx)
-}
-
-/// Σ e·(x − m), in eight lanes so the loop vectorises. The offset is floored at −88, below
-/// the lowest argument [`exp_in_place`]'s vector path takes (−87.3): a −∞ (or NaN) logit's
-/// weight is ~1e-38 there, not 0, and times −∞ would make the sum −∞.
-fn weighted_offsets(e: &[f32], xs: &[f32], m: f32) -> f32 {
-    let offset = |x: f32| (x - m).max(-88.0);
-    let mut acc = [0f32; 8];
-    let (e8, e_rest) = e.split_at(e.len() / 8 * 8);
-    for (ec, xc) in e8.chunks_exact(8).zip(xs.chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += ec[i] * offset(xc[i]);
-        }
-    }
-    let rest: f32 = e_rest
-        .iter()
-        .zip(&xs[e8.len()..])
-        .map(|(&e, &x)| e * offset(x))
-        .sum();
-    acc.iter().sum::<f32>() + rest
 }
 
 #[cfg(test)]
