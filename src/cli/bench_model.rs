@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use clap::Args;
 
+use tokenrouter::kernels::large_buf::LargeBuf;
 use tokenrouter::kernels::parallel::for_each_range;
 use tokenrouter::model::profile::{
     measure, measure_with, set_breakdown, warm_up, Breakdown, Throughput, Workload,
@@ -284,9 +285,11 @@ impl Shares {
     }
 }
 
-/// A buffer far larger than the caches, for timing plain reads of memory.
+/// A buffer far larger than the caches, for timing plain reads of memory; placed as the
+/// weights are (on huge pages where the OS offers them), so the roofline reads the way the
+/// kernels can.
 struct ReadProbe {
-    buf: Vec<u64>,
+    buf: LargeBuf<u64>,
     /// The chunk the next read starts at: each read continues where the last one stopped, so
     /// none starts on lines a previous read may have left in the caches.
     next: std::cell::Cell<usize>,
@@ -298,8 +301,11 @@ impl ReadProbe {
 
     fn new() -> Self {
         let words = 64 << 20; // 512 MiB of u64
+                              // SAFETY: zero bytes are a valid u64.
+        let mut buf = unsafe { LargeBuf::zeroed(words) };
+        buf.iter_mut().enumerate().for_each(|(i, w)| *w = i as u64);
         Self {
-            buf: (0..words as u64).collect(),
+            buf,
             next: std::cell::Cell::new(0),
         }
     }

@@ -6,6 +6,7 @@
 //! tables, and write into caller-owned outputs. Each one has a scalar reference in its tests.
 
 pub mod attention;
+pub mod large_buf;
 pub mod parallel;
 pub mod qmatmul;
 pub mod rope;

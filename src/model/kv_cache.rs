@@ -12,6 +12,7 @@ use half::f16;
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use crate::kernels::attention::{paged_attention, AttentionSeq, PagedKv, MAX_BLOCK_SIZE};
+use crate::kernels::large_buf::LargeBuf;
 use crate::kernels::KvElem;
 
 /// What the cache stores K and V as.
@@ -50,10 +51,11 @@ impl BlockTable {
     }
 }
 
-/// One layer's K and V.
-struct LayerStore<T> {
-    k: Vec<T>,
-    v: Vec<T>,
+/// One layer's K and V (on huge pages where the OS offers them: a head's rows of one block
+/// are a few KB, and a sequence's blocks lie anywhere in the pool).
+struct LayerStore<T: Copy> {
+    k: LargeBuf<T>,
+    v: LargeBuf<T>,
 }
 
 /// Every layer's storage, in the cache's element type.
@@ -86,11 +88,15 @@ impl KvCache {
             )));
         }
         let per_layer = num_blocks * block_size * config.kv_dim();
+        /// Called for `f16` and `f32` only, whose zero bytes are the value zero.
         fn zeroed<T: KvElem>(layers: usize, len: usize) -> Vec<LayerStore<T>> {
             (0..layers)
-                .map(|_| LayerStore {
-                    k: vec![T::default(); len],
-                    v: vec![T::default(); len],
+                // SAFETY: zero bytes are a valid `f16` and `f32`.
+                .map(|_| unsafe {
+                    LayerStore {
+                        k: LargeBuf::zeroed(len),
+                        v: LargeBuf::zeroed(len),
+                    }
                 })
                 .collect()
         }

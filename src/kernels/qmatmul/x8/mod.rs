@@ -15,6 +15,7 @@
 //! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`).
 
 use super::{for_each_slice_tile, ActFormat, Isa, QuantKernel, WeightBlock};
+use crate::kernels::large_buf::LargeBuf;
 use crate::kernels::parallel::{for_each_range, prefetch_ahead, DisjointOut};
 
 /// Dispatches a tile of `sums.len()` activation rows to `$kernel::<T>` (or
@@ -150,7 +151,7 @@ pub struct PackedMatrix<P: Interleaved> {
     rows: usize,
     cols: usize,
     /// Group `c` (rows `8c..8c + 8`), super-block `b` at `c · kb + b`.
-    blocks: Vec<P>,
+    blocks: LargeBuf<P>,
 }
 
 pub type PackedQ4K = PackedMatrix<BlockQ4Kx8>;
@@ -182,8 +183,10 @@ impl<P: Interleaved> PackedMatrix<P> {
         // Groups repack independently, on the calling thread's pool (a load is otherwise
         // one thread's work).
         let n = rows / ROWS * kb;
-        let mut blocks: Vec<P> = Vec::with_capacity(n);
-        let out = DisjointOut::new(&mut blocks.spare_capacity_mut()[..n]);
+        // SAFETY: the interleaved blocks are `repr(C)` arrays of integers and f16 values, for
+        // which zero bytes are valid.
+        let mut blocks = unsafe { LargeBuf::<P>::zeroed(n) };
+        let out = DisjointOut::new(&mut blocks[..]);
         for_each_range(rows / ROWS, |groups| {
             for group in groups {
                 // SAFETY: group `group`'s `kb` blocks lie inside the `n` reserved ones and are
@@ -192,12 +195,10 @@ impl<P: Interleaved> PackedMatrix<P> {
                 for (b, d) in dst.iter_mut().enumerate() {
                     let src: [P::Source; ROWS] =
                         std::array::from_fn(|i| block(group * ROWS + i, b));
-                    d.write(P::pack(std::array::from_fn(|i| &src[i])));
+                    *d = P::pack(std::array::from_fn(|i| &src[i]));
                 }
             }
         });
-        // SAFETY: the groups cover all `n` blocks, each written above.
-        unsafe { blocks.set_len(n) };
         Some(Self { rows, cols, blocks })
     }
 }
@@ -216,7 +217,7 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
     }
 
     fn storage_bytes(&self) -> usize {
-        std::mem::size_of_val(self.blocks.as_slice())
+        std::mem::size_of_val(&self.blocks[..])
     }
 
     fn prefetch_ahead(&self) {
