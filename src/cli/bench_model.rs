@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use tokenrouter::kernels::large_buf::LargeBuf;
+use tokenrouter::kernels::large_buf::{self, LargeBuf};
 use tokenrouter::kernels::parallel::for_each_range;
 use tokenrouter::model::profile::{
     measure, measure_with, set_breakdown, warm_up, Breakdown, Throughput, Workload,
@@ -96,6 +96,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             bandwidth / 1e9,
             bandwidth / middle,
         );
+        if let Some(c) = large_buf::coverage() {
+            println!(
+                "2 MB pages back {:.0} of the {:.0} MB reserved for the repacked weights and the read buffer (the rest is on 4 KB pages, or not touched)",
+                c.huge_bytes as f64 / 1e6,
+                c.region_bytes as f64 / 1e6,
+            );
+        }
         println!(
             "(each decode step is paired with a plain read of a batch-1 step's bytes just after it; read GB/s, roofline and % roofline are the medians over a row's steps)"
         );

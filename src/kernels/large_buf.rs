@@ -8,9 +8,11 @@
 //! would get none unless it spans several megabytes: SmolLM2's matrices are 0.2–1 MB each.
 //! Buffers are therefore carved, in order, out of shared 64 MB regions mapped 2 MB-aligned
 //! and marked so; a buffer of a quarter region or more gets a region of its own. A region
-//! returns to the OS when the last buffer carved from it is dropped (carved space is never
-//! reused meanwhile: these buffers live as long as a model or a cache). Where mapping fails,
-//! or off Linux, a buffer is an ordinary zeroed heap allocation.
+//! returns to the OS when the last buffer carved from it is dropped; carved space is never
+//! reused meanwhile (these buffers live as long as a model or a cache), but the memory of a
+//! dropped buffer's whole pages goes back at once. Where mapping fails, or off Linux, a buffer
+//! is an ordinary zeroed heap allocation. [`coverage`] tells how much of the regions the OS
+//! actually backs with 2 MB pages.
 //!
 //! Fresh mappings are zero-filled, so a buffer starts zeroed at no cost; untouched pages hold
 //! no memory, so a region's unused tail costs address space only.
@@ -24,6 +26,8 @@ use std::sync::{Arc, Mutex, Weak};
 const HUGE_PAGE: usize = 2 << 20;
 /// Bytes of address space per shared region.
 const REGION: usize = 64 << 20;
+/// The small page size.
+const PAGE: usize = 4096;
 /// Buffers smaller than this come from the heap: they span no huge page worth the bookkeeping.
 const MIN_CARVED: usize = 64 << 10;
 
@@ -95,11 +99,29 @@ impl<T: Copy> LargeBuf<T> {
 
 impl<T: Copy> Drop for LargeBuf<T> {
     fn drop(&mut self) {
-        if let Owner::Heap(layout) = self.owner {
+        match &self.owner {
             // SAFETY: allocated in `zeroed` with this layout.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
+            Owner::Heap(layout) => unsafe {
+                std::alloc::dealloc(self.ptr.as_ptr().cast(), *layout)
+            },
+            // The region unmaps itself when its last buffer's `Arc` goes; until then the
+            // memory of the whole pages this buffer alone covered goes back to the OS now.
+            Owner::Region(_) => {
+                let start = (self.ptr.as_ptr() as usize).next_multiple_of(PAGE);
+                let end = (self.ptr.as_ptr() as usize + self.len * std::mem::size_of::<T>()) / PAGE
+                    * PAGE;
+                #[cfg(target_os = "linux")]
+                if end > start {
+                    // SAFETY: `start..end` lies inside this buffer, which no one uses any more
+                    // and whose space is never carved again.
+                    unsafe {
+                        libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED)
+                    };
+                }
+                let _ = (start, end);
+            }
+            Owner::Empty => {}
         }
-        // A region unmaps itself when its last buffer's `Arc` goes.
     }
 }
 
@@ -130,8 +152,15 @@ unsafe impl Send for Region {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for Region {}
 
+/// Address ranges of the live regions, for [`coverage`].
+static LIVE: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
 impl Drop for Region {
     fn drop(&mut self) {
+        let start = self.start.as_ptr() as usize;
+        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        live.retain(|&(s, _)| s != start);
+        drop(live);
         #[cfg(target_os = "linux")]
         // SAFETY: `start..start + len` is a mapping this region made and owns alone; every
         // buffer carved from it is gone (each held an `Arc` of the region).
@@ -212,6 +241,9 @@ impl Region {
             // region still works on small pages.
             libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
         }
+        LIVE.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((start, len));
         Some(Self {
             start: NonNull::new(start as *mut u8)?,
             len,
@@ -222,6 +254,53 @@ impl Region {
     fn map(_len: usize) -> Option<Self> {
         None
     }
+}
+
+/// How much of the huge-page regions the OS backs with 2 MB pages now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Coverage {
+    /// Bytes of address space in live regions (touched or not).
+    pub region_bytes: usize,
+    /// Bytes of them on 2 MB pages (`AnonHugePages` of their mappings).
+    pub huge_bytes: usize,
+}
+
+/// The live regions' [`Coverage`], from `/proc/self/smaps`; `None` where that cannot be read
+/// (off Linux, say).
+pub fn coverage() -> Option<Coverage> {
+    let live = LIVE.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    Some(Coverage {
+        region_bytes: live.iter().map(|r| r.1).sum(),
+        huge_bytes: huge_bytes_in(&smaps, &live),
+    })
+}
+
+/// The `AnonHugePages` of the mappings in `smaps` that overlap one of `ranges` (start, length).
+/// A region is a mapping of its own, or merged with an adjacent region (same flags), so a
+/// mapping that overlaps one holds regions only.
+fn huge_bytes_in(smaps: &str, ranges: &[(usize, usize)]) -> usize {
+    let mut total = 0;
+    let mut overlaps = false;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let Some(first) = words.next() else { continue };
+        if let Some((lo, hi)) = first.split_once('-') {
+            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            {
+                overlaps = ranges.iter().any(|&(s, l)| s < hi && lo < s + l);
+                continue;
+            }
+        }
+        if overlaps && first == "AnonHugePages:" {
+            total += words
+                .next()
+                .and_then(|kb| kb.parse::<usize>().ok())
+                .unwrap_or(0)
+                << 10;
+        }
+    }
+    total
 }
 
 #[cfg(test)]
@@ -258,6 +337,9 @@ mod tests {
         let (b0, b1) = (addr(b.as_ptr().cast()), addr(b.as_ptr_range().end.cast()));
         assert!(a1 <= b0 || b1 <= a0);
         assert_eq!(b0 % std::mem::align_of::<f32>(), 0);
+        // Dropping one returns its whole pages only: a neighbour sharing a page keeps its data.
+        drop(a);
+        assert!(b.iter().enumerate().all(|(i, &x)| x == i as f32));
     }
 
     #[test]
@@ -279,5 +361,26 @@ mod tests {
         let carved = unsafe { LargeBuf::<u8>::zeroed(MIN_CARVED) };
         assert!(carved.in_huge_page_region());
         assert!(carved.iter().all(|&x| x == 0));
+        let seen = coverage().unwrap();
+        assert!(seen.region_bytes >= REGION && seen.huge_bytes <= seen.region_bytes);
+    }
+
+    #[test]
+    fn huge_page_bytes_are_summed_over_the_mappings_that_overlap_a_region() {
+        let smaps = "\
+200000-600000 rw-p 00000000 00:00 0
+Size:               4096 kB
+AnonHugePages:      2048 kB
+600000-700000 rw-p 00000000 00:00 0
+AnonHugePages:      1024 kB
+7f0000000000-7f0000400000 rw-p 00000000 00:00 0 [heap]
+AnonHugePages:      4096 kB
+";
+        assert_eq!(huge_bytes_in(smaps, &[(0x400000, 0x200000)]), 2 << 20);
+        assert_eq!(
+            huge_bytes_in(smaps, &[(0x200000, 0x400000), (0x600000, 0x100000)]),
+            3 << 20
+        );
+        assert_eq!(huge_bytes_in(smaps, &[(0x800000, 0x200000)]), 0);
     }
 }
