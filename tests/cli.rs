@@ -133,9 +133,19 @@ fn bench_model_prints_json_lines() {
         // The decode steps' time split into parts: shares of one whole, the LM head among
         // the matmuls.
         let part = |k: &str| row["breakdown"][k].as_f64().unwrap();
-        let whole = part("matmul") + part("attention") + part("other");
+        let parts = [
+            "matmul",
+            "attention",
+            "norm",
+            "rotary_kv_write",
+            "activation",
+            "other",
+        ];
+        let whole: f64 = parts.iter().map(|&k| part(k)).sum();
         assert!((whole - 1.0).abs() < 1e-9, "{row}");
-        assert!(part("matmul") > 0.0 && part("attention") > 0.0, "{row}");
+        for k in &parts[..5] {
+            assert!(part(k) > 0.0, "{k} in {row}");
+        }
         assert!(
             part("lm_head") > 0.0 && part("lm_head") < part("matmul"),
             "{row}"

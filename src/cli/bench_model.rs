@@ -226,6 +226,9 @@ impl Row {
                 "matmul": s.matmul,
                 "lm_head": s.lm_head,
                 "attention": s.attention,
+                "norm": s.norm,
+                "rotary_kv_write": s.rotary,
+                "activation": s.activation,
                 "other": s.other,
                 "matmul_gb_s": s.matmul_gb_s,
             });
@@ -257,11 +260,14 @@ impl Row {
         println!();
         if let Some(s) = &self.shares {
             println!(
-                "{:>6} decode step: matmuls {:.1} % (LM head {:.1} %), attention {:.1} %, other {:.1} %; the matmuls stream weights at {:.2} GB/s",
+                "{:>6} decode step: matmuls {:.1} % (LM head {:.1} %), attention {:.1} %, norms {:.1} %, rotary and K/V write {:.1} %, SiLU {:.1} %, other {:.1} %; the matmuls stream weights at {:.2} GB/s",
                 "",
                 100.0 * s.matmul,
                 100.0 * s.lm_head,
                 100.0 * s.attention,
+                100.0 * s.norm,
+                100.0 * s.rotary,
+                100.0 * s.activation,
                 100.0 * s.other,
                 s.matmul_gb_s
             );
@@ -274,6 +280,11 @@ struct Shares {
     matmul: f64,
     lm_head: f64,
     attention: f64,
+    norm: f64,
+    rotary: f64,
+    activation: f64,
+    /// Everything else: the embedding lookup, the logits' copy, `argmax`, the gaps between
+    /// parts.
     other: f64,
     matmul_gb_s: f64,
 }
@@ -286,7 +297,17 @@ impl Shares {
             matmul: parts.matmul / total,
             lm_head: parts.lm_head / total,
             attention: parts.attention / total,
-            other: (total - parts.matmul - parts.attention).max(0.0) / total,
+            norm: parts.norm / total,
+            rotary: parts.rotary / total,
+            activation: parts.activation / total,
+            other: (total
+                - parts.matmul
+                - parts.attention
+                - parts.norm
+                - parts.rotary
+                - parts.activation)
+                .max(0.0)
+                / total,
             matmul_gb_s: weight_bytes * step_secs.len() as f64 / parts.matmul / 1e9,
         }
     }

@@ -303,7 +303,7 @@ impl Model {
     fn head(&self, mut x: Vec<f32>, want_hidden: bool) -> Result<ForwardOutput> {
         let c = &self.config;
         let rows = x.len() / c.hidden_size;
-        self.norm.forward_in_place(&mut x);
+        timed(Part::Norm, || self.norm.forward_in_place(&mut x));
         let logits = timed(Part::LmHead, || self.lm_head.forward_rows(&x, rows))?;
         Ok(ForwardOutput {
             logits: Tensor::from_vec(logits, (rows, c.vocab_size), &self.device)?,
@@ -364,17 +364,23 @@ impl Model {
         // Before each matmul, the one after it is named, so the pool's idle threads stream
         // its weights in while this thread works alone between the two.
         for (i, layer) in self.layers.iter().enumerate() {
-            layer
-                .attn_norm
-                .add_forward(&mut x, ffn_out.take().as_deref(), &mut h);
+            timed(Part::Norm, || {
+                layer
+                    .attn_norm
+                    .add_forward(&mut x, ffn_out.take().as_deref(), &mut h)
+            });
             layer.attn.o.prefetch_ahead();
             let a = self.attention(&layer.attn, &h, i, &angles, &attn_seqs, kv)?;
             layer.mlp.gate_up.prefetch_ahead();
             let a = layer.attn.o.forward_rows(&a, t)?;
-            layer.ffn_norm.add_forward(&mut x, Some(&a), &mut h);
+            timed(Part::Norm, || {
+                layer.ffn_norm.add_forward(&mut x, Some(&a), &mut h)
+            });
             layer.mlp.down.prefetch_ahead();
             let gate_up = layer.mlp.gate_up.forward_rows(&h, t)?;
-            silu_mul_rows(&mut gated, ffn, |r| (gate_up.row(0, r), gate_up.row(1, r)));
+            timed(Part::Activation, || {
+                silu_mul_rows(&mut gated, ffn, |r| (gate_up.row(0, r), gate_up.row(1, r)))
+            });
             match self.layers.get(i + 1) {
                 Some(next) => next.attn.qkv.prefetch_ahead(),
                 None => self.lm_head.prefetch_ahead(),
@@ -382,7 +388,7 @@ impl Model {
             ffn_out = Some(layer.mlp.down.forward_rows(&gated, t)?);
         }
         if let Some(y) = ffn_out {
-            add_in_place(&mut x, &y);
+            timed(Part::Norm, || add_in_place(&mut x, &y));
         }
         Ok(Some((x, last_rows)))
     }
@@ -411,12 +417,15 @@ impl Model {
             }
             y
         };
-        let mut q = part(0, &attn.q_norm);
-        let mut k = part(1, &attn.k_norm);
-        let v = part(2, &None);
-        angles.apply(&mut q, c.num_heads);
-        angles.apply(&mut k, c.num_kv_heads);
-        kv.write(layer, seqs, &k, &v);
+        let q = timed(Part::Rotary, || {
+            let mut q = part(0, &attn.q_norm);
+            let mut k = part(1, &attn.k_norm);
+            let v = part(2, &None);
+            angles.apply(&mut q, c.num_heads);
+            angles.apply(&mut k, c.num_kv_heads);
+            kv.write(layer, seqs, &k, &v);
+            q
+        });
         let mut out = vec![0f32; q.len()];
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         timed(Part::Attention, || {

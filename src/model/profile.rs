@@ -41,6 +41,13 @@ pub enum Part {
     LmHead,
     /// Attention over the KV cache (the projections are matmuls).
     Attention,
+    /// The residual adds and RMS norms between the matmuls.
+    Norm,
+    /// Splitting the q/k/v projection's rows, their per-head norms (Qwen3), rotary embedding
+    /// and the K/V rows' write into the cache.
+    Rotary,
+    /// SiLU·gate between the FFN's matmuls.
+    Activation,
 }
 
 /// Seconds spent in each [`Part`] over the timed decode steps of one measurement.
@@ -49,10 +56,13 @@ pub struct Breakdown {
     pub matmul: f64,
     pub lm_head: f64,
     pub attention: f64,
+    pub norm: f64,
+    pub rotary: f64,
+    pub activation: f64,
 }
 
 static BREAKDOWN_ON: AtomicBool = AtomicBool::new(false);
-static PART_NANOS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+static PART_NANOS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 
 /// Turns the accounting of [`timed`] on or off. It is process-wide: meant for one model
 /// measured at a time (`bench-model --breakdown`); off, a part costs one relaxed load.
@@ -79,6 +89,9 @@ fn take_breakdown() -> Option<Breakdown> {
         matmul: secs(Part::Matmul),
         lm_head: secs(Part::LmHead),
         attention: secs(Part::Attention),
+        norm: secs(Part::Norm),
+        rotary: secs(Part::Rotary),
+        activation: secs(Part::Activation),
     };
     BREAKDOWN_ON.load(Ordering::Relaxed).then_some(breakdown)
 }
