@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
+use tokenrouter::kernels::large_buf::LargeBuf;
 use tokenrouter::kernels::parallel::for_each_range;
 use tokenrouter::kernels::qmatmul::{
     BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, Isa, QuantKernel, QuantMatrix,
@@ -103,7 +104,13 @@ fn stream<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize) {
     };
     let kernels: Vec<_> = (0..copies).map(|_| kernel()).collect();
     let gb = (bytes.len() * copies) as f64 / 1e9;
-    let words: Vec<u64> = (0..(bytes.len() * copies / 8) as u64).collect();
+    // On huge pages where the OS offers them, as the repacked weights are.
+    // SAFETY: zero bytes are a valid u64.
+    let mut words = unsafe { LargeBuf::<u64>::zeroed(bytes.len() * copies / 8) };
+    words
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, w)| *w = i as u64);
     let chunk = 1 << 14;
     let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
     let mut out = vec![0f32; rows];
