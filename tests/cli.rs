@@ -136,7 +136,7 @@ fn bench_model_prints_json_lines() {
         let parts = [
             "matmul",
             "attention",
-            "norm",
+            "add_norm",
             "rotary_kv_write",
             "activation",
             "other",

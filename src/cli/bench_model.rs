@@ -42,7 +42,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub baseline_candle: bool,
     /// Also print where the decode steps' time goes: the quantized matmuls (and the LM head
-    /// among them), attention, and everything else; and the rate the matmuls stream weights.
+    /// among them), attention, the residual adds and norms, rotary and the K/V write, SiLU,
+    /// and everything else; and the rate the matmuls stream weights.
     #[arg(long)]
     breakdown: bool,
 }
@@ -96,9 +97,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             bandwidth / 1e9,
             bandwidth / middle,
         );
-        if let Some(c) = large_buf::coverage() {
+        if let Some(c) = large_buf::coverage().filter(|c| c.region_bytes > 0) {
             println!(
-                "2 MB pages back {:.0} of the {:.0} MB reserved for the repacked weights and the read buffer (the rest is on 4 KB pages, or not touched)",
+                "2 MB pages back {:.0} of the {:.0} MB reserved for the repacked weights, the K/V caches and the read buffer (the rest is on 4 KB pages, or not touched)",
                 c.huge_bytes as f64 / 1e6,
                 c.region_bytes as f64 / 1e6,
             );
@@ -226,8 +227,8 @@ impl Row {
                 "matmul": s.matmul,
                 "lm_head": s.lm_head,
                 "attention": s.attention,
-                "norm": s.norm,
-                "rotary_kv_write": s.rotary,
+                "add_norm": s.add_norm,
+                "rotary_kv_write": s.rotary_kv_write,
                 "activation": s.activation,
                 "other": s.other,
                 "matmul_gb_s": s.matmul_gb_s,
@@ -260,13 +261,13 @@ impl Row {
         println!();
         if let Some(s) = &self.shares {
             println!(
-                "{:>6} decode step: matmuls {:.1} % (LM head {:.1} %), attention {:.1} %, norms {:.1} %, rotary and K/V write {:.1} %, SiLU {:.1} %, other {:.1} %; the matmuls stream weights at {:.2} GB/s",
+                "{:>6} decode step: matmuls {:.1} % (LM head {:.1} %), attention {:.1} %, adds and norms {:.1} %, rotary and K/V write {:.1} %, SiLU {:.1} %, other {:.1} %; the matmuls stream weights at {:.2} GB/s",
                 "",
                 100.0 * s.matmul,
                 100.0 * s.lm_head,
                 100.0 * s.attention,
-                100.0 * s.norm,
-                100.0 * s.rotary,
+                100.0 * s.add_norm,
+                100.0 * s.rotary_kv_write,
                 100.0 * s.activation,
                 100.0 * s.other,
                 s.matmul_gb_s
@@ -280,11 +281,11 @@ struct Shares {
     matmul: f64,
     lm_head: f64,
     attention: f64,
-    norm: f64,
-    rotary: f64,
+    add_norm: f64,
+    rotary_kv_write: f64,
     activation: f64,
-    /// Everything else: the embedding lookup, the logits' copy, `argmax`, the gaps between
-    /// parts.
+    /// Everything else: the embedding lookup, the rotary angles, the logits' copy, `argmax`,
+    /// the next matmul's prefetch hints, the gaps between parts.
     other: f64,
     matmul_gb_s: f64,
 }
@@ -297,14 +298,14 @@ impl Shares {
             matmul: parts.matmul / total,
             lm_head: parts.lm_head / total,
             attention: parts.attention / total,
-            norm: parts.norm / total,
-            rotary: parts.rotary / total,
+            add_norm: parts.add_norm / total,
+            rotary_kv_write: parts.rotary_kv_write / total,
             activation: parts.activation / total,
             other: (total
                 - parts.matmul
                 - parts.attention
-                - parts.norm
-                - parts.rotary
+                - parts.add_norm
+                - parts.rotary_kv_write
                 - parts.activation)
                 .max(0.0)
                 / total,
@@ -328,8 +329,9 @@ impl ReadProbe {
     const CHUNK: usize = 1 << 16;
 
     fn new() -> Self {
-        let words = 64 << 20; // 512 MiB of u64
-                              // SAFETY: zero bytes are a valid u64.
+        // 512 MiB of u64.
+        let words = 64 << 20;
+        // SAFETY: zero bytes are a valid u64.
         let mut buf = unsafe { LargeBuf::zeroed(words) };
         buf.iter_mut().enumerate().for_each(|(i, w)| *w = i as u64);
         Self {

@@ -1,6 +1,6 @@
 //! Hot loops on plain slices: paged attention, rotary embedding, quantized matmul, the
 //! decoder's row-wise norm and activation, and the per-batch routing features (softmax
-//! entropy).
+//! entropy); and the memory they stream (`large_buf`: buffers on huge pages).
 //!
 //! Kernels know nothing of models, requests or tensors: they take slices, shapes and block
 //! tables, and write into caller-owned outputs. Each one has a scalar reference in its tests.

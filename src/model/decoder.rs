@@ -303,7 +303,7 @@ impl Model {
     fn head(&self, mut x: Vec<f32>, want_hidden: bool) -> Result<ForwardOutput> {
         let c = &self.config;
         let rows = x.len() / c.hidden_size;
-        timed(Part::Norm, || self.norm.forward_in_place(&mut x));
+        timed(Part::AddNorm, || self.norm.forward_in_place(&mut x));
         let logits = timed(Part::LmHead, || self.lm_head.forward_rows(&x, rows))?;
         Ok(ForwardOutput {
             logits: Tensor::from_vec(logits, (rows, c.vocab_size), &self.device)?,
@@ -336,14 +336,7 @@ impl Model {
         if batch.is_empty() {
             return Ok(None);
         }
-        let mut ids = Vec::new();
-        let mut positions = Vec::new();
-        let mut last_rows = Vec::with_capacity(batch.len());
-        for seq in batch {
-            ids.extend_from_slice(seq.tokens);
-            positions.extend((seq.start_pos..seq.start_pos + seq.tokens.len()).map(|p| p as u32));
-            last_rows.push(ids.len() - 1);
-        }
+        let (ids, positions, last_rows) = flatten(batch);
         let attn_seqs: Vec<AttentionSeq> = batch
             .iter()
             .map(|s| AttentionSeq {
@@ -364,7 +357,7 @@ impl Model {
         // Before each matmul, the one after it is named, so the pool's idle threads stream
         // its weights in while this thread works alone between the two.
         for (i, layer) in self.layers.iter().enumerate() {
-            timed(Part::Norm, || {
+            timed(Part::AddNorm, || {
                 layer
                     .attn_norm
                     .add_forward(&mut x, ffn_out.take().as_deref(), &mut h)
@@ -373,7 +366,7 @@ impl Model {
             let a = self.attention(&layer.attn, &h, i, &angles, &attn_seqs, kv)?;
             layer.mlp.gate_up.prefetch_ahead();
             let a = layer.attn.o.forward_rows(&a, t)?;
-            timed(Part::Norm, || {
+            timed(Part::AddNorm, || {
                 layer.ffn_norm.add_forward(&mut x, Some(&a), &mut h)
             });
             layer.mlp.down.prefetch_ahead();
@@ -388,7 +381,7 @@ impl Model {
             ffn_out = Some(layer.mlp.down.forward_rows(&gated, t)?);
         }
         if let Some(y) = ffn_out {
-            timed(Part::Norm, || add_in_place(&mut x, &y));
+            timed(Part::AddNorm, || add_in_place(&mut x, &y));
         }
         Ok(Some((x, last_rows)))
     }
@@ -417,7 +410,7 @@ impl Model {
             }
             y
         };
-        let q = timed(Part::Rotary, || {
+        let q = timed(Part::RotaryKvWrite, || {
             let mut q = part(0, &attn.q_norm);
             let mut k = part(1, &attn.k_norm);
             let v = part(2, &None);
@@ -464,4 +457,17 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// The batch's new tokens in order, their positions, and each sequence's last row among them.
+fn flatten(batch: &[SeqInput]) -> (Vec<u32>, Vec<u32>, Vec<usize>) {
+    let mut ids = Vec::new();
+    let mut positions = Vec::new();
+    let mut last_rows = Vec::with_capacity(batch.len());
+    for seq in batch {
+        ids.extend_from_slice(seq.tokens);
+        positions.extend((seq.start_pos..seq.start_pos + seq.tokens.len()).map(|p| p as u32));
+        last_rows.push(ids.len() - 1);
+    }
+    (ids, positions, last_rows)
 }

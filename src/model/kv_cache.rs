@@ -88,15 +88,20 @@ impl KvCache {
             )));
         }
         let per_layer = num_blocks * block_size * config.kv_dim();
-        /// Called for `f16` and `f32` only, whose zero bytes are the value zero.
+        /// Every element written here, so the whole pool is backed by memory from the start
+        /// (a pool that does not fit fails now, not mid-request, and no step pays the page
+        /// faults). Called for `f16` and `f32` only, whose zero bytes are the value zero.
         fn zeroed<T: KvElem>(layers: usize, len: usize) -> Vec<LayerStore<T>> {
-            (0..layers)
+            let committed = || {
                 // SAFETY: zero bytes are a valid `f16` and `f32`.
-                .map(|_| unsafe {
-                    LayerStore {
-                        k: LargeBuf::zeroed(len),
-                        v: LargeBuf::zeroed(len),
-                    }
+                let mut buf = unsafe { LargeBuf::zeroed(len) };
+                buf.fill(T::default());
+                buf
+            };
+            (0..layers)
+                .map(|_| LayerStore {
+                    k: committed(),
+                    v: committed(),
                 })
                 .collect()
         }

@@ -42,10 +42,11 @@ pub enum Part {
     /// Attention over the KV cache (the projections are matmuls).
     Attention,
     /// The residual adds and RMS norms between the matmuls.
-    Norm,
+    AddNorm,
     /// Splitting the q/k/v projection's rows, their per-head norms (Qwen3), rotary embedding
-    /// and the K/V rows' write into the cache.
-    Rotary,
+    /// (the angles are computed once per forward, outside) and the K/V rows' write into the
+    /// cache.
+    RotaryKvWrite,
     /// SiLU·gate between the FFN's matmuls.
     Activation,
 }
@@ -56,13 +57,15 @@ pub struct Breakdown {
     pub matmul: f64,
     pub lm_head: f64,
     pub attention: f64,
-    pub norm: f64,
-    pub rotary: f64,
+    pub add_norm: f64,
+    pub rotary_kv_write: f64,
     pub activation: f64,
 }
 
 static BREAKDOWN_ON: AtomicBool = AtomicBool::new(false);
-static PART_NANOS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+/// Number of [`Part`]s.
+const PARTS: usize = Part::Activation as usize + 1;
+static PART_NANOS: [AtomicU64; PARTS] = [const { AtomicU64::new(0) }; PARTS];
 
 /// Turns the accounting of [`timed`] on or off. It is process-wide: meant for one model
 /// measured at a time (`bench-model --breakdown`); off, a part costs one relaxed load.
@@ -89,8 +92,8 @@ fn take_breakdown() -> Option<Breakdown> {
         matmul: secs(Part::Matmul),
         lm_head: secs(Part::LmHead),
         attention: secs(Part::Attention),
-        norm: secs(Part::Norm),
-        rotary: secs(Part::Rotary),
+        add_norm: secs(Part::AddNorm),
+        rotary_kv_write: secs(Part::RotaryKvWrite),
         activation: secs(Part::Activation),
     };
     BREAKDOWN_ON.load(Ordering::Relaxed).then_some(breakdown)

@@ -183,22 +183,22 @@ impl<P: Interleaved> PackedMatrix<P> {
         // Groups repack independently, on the calling thread's pool (a load is otherwise
         // one thread's work).
         let n = rows / ROWS * kb;
-        // SAFETY: the interleaved blocks are `repr(C)` arrays of integers and f16 values, for
-        // which zero bytes are valid.
-        let mut blocks = unsafe { LargeBuf::<P>::zeroed(n) };
+        let mut blocks = LargeBuf::<std::mem::MaybeUninit<P>>::uninit(n);
         let out = DisjointOut::new(&mut blocks[..]);
         for_each_range(rows / ROWS, |groups| {
             for group in groups {
-                // SAFETY: group `group`'s `kb` blocks lie inside the `n` reserved ones and are
+                // SAFETY: group `group`'s `kb` blocks lie inside the `n` allocated ones and are
                 // this task's alone.
                 let dst = unsafe { out.slice(group * kb, kb) };
                 for (b, d) in dst.iter_mut().enumerate() {
                     let src: [P::Source; ROWS] =
                         std::array::from_fn(|i| block(group * ROWS + i, b));
-                    *d = P::pack(std::array::from_fn(|i| &src[i]));
+                    d.write(P::pack(std::array::from_fn(|i| &src[i])));
                 }
             }
         });
+        // SAFETY: the groups cover all `n` blocks, each written above.
+        let blocks = unsafe { blocks.assume_init() };
         Some(Self { rows, cols, blocks })
     }
 }
