@@ -91,6 +91,55 @@ fn seeded_sampling_is_reproducible_from_the_cli() {
 }
 
 #[test]
+fn bench_model_prints_a_table_with_its_header_and_breakdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let out = tokenrouter(&[
+        "bench-model",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--prompt-len",
+        "8",
+        "--decode-steps",
+        "4",
+        "--breakdown",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let has = |text: &str| stdout.lines().any(|l| l.contains(text));
+    assert!(has("MB of weights streamed per decode step"), "{stdout}");
+    // The read buffer alone fills a huge-page region where there are regions.
+    if cfg!(all(target_os = "linux", target_arch = "x86_64")) {
+        assert!(has("2 MB pages back"), "{stdout}");
+    }
+    // batch, prefill, decode, read GB/s, roofline, % of roofline: numbers all.
+    let row: Vec<&str> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|w| w.len() == 6 && w[0] == "2")
+        .unwrap_or_else(|| panic!("no batch-2 row in {stdout}"));
+    for value in &row {
+        let number = value.trim_end_matches('%').parse::<f64>();
+        assert!(number.is_ok_and(|n| n >= 0.0), "{value} in {row:?}");
+    }
+    for part in [
+        "matmuls",
+        "attention",
+        "adds and norms",
+        "rotary and K/V write",
+        "SiLU",
+    ] {
+        assert!(has(part), "{part} in {stdout}");
+    }
+}
+
+#[test]
 fn bench_model_prints_json_lines() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
