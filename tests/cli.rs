@@ -90,28 +90,36 @@ fn seeded_sampling_is_reproducible_from_the_cli() {
     assert_eq!(run("7"), run("7"));
 }
 
-#[test]
-fn bench_model_prints_a_table_with_its_header_and_breakdown() {
+/// `bench-model` with `--breakdown` on a tiny model, 8-token prompts and 4 decode steps, at
+/// `batch`, and `extra` flags: its stdout (the run must succeed).
+fn bench_model_stdout(batch: &str, extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let out = tokenrouter(&[
+    let mut args = vec![
         "bench-model",
         "--model",
         model.to_str().unwrap(),
         "--batch",
-        "2",
+        batch,
         "--prompt-len",
         "8",
         "--decode-steps",
         "4",
         "--breakdown",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let out = tokenrouter(&args);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let stdout = String::from_utf8(out.stdout).unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn bench_model_prints_a_table_with_its_header_and_breakdown() {
+    let stdout = bench_model_stdout("2", &[]);
     let has = |text: &str| stdout.lines().any(|l| l.contains(text));
     assert!(has("MB of weights streamed per decode step"), "{stdout}");
     // The read buffer alone fills a huge-page region where there are regions.
@@ -141,27 +149,7 @@ fn bench_model_prints_a_table_with_its_header_and_breakdown() {
 
 #[test]
 fn bench_model_prints_json_lines() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = tiny(dir.path());
-    let out = tokenrouter(&[
-        "bench-model",
-        "--model",
-        model.to_str().unwrap(),
-        "--batch",
-        "1,3",
-        "--prompt-len",
-        "8",
-        "--decode-steps",
-        "4",
-        "--json",
-        "--breakdown",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stdout = bench_model_stdout("1,3", &["--json"]);
     let rows: Vec<serde_json::Value> = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
