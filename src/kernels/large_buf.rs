@@ -10,8 +10,8 @@
 //! and marked so; a buffer of a quarter region or more gets a region of its own. A region
 //! returns to the OS when the last buffer carved from it is dropped; carved space is never
 //! reused meanwhile (these buffers live as long as a model or a cache), but the memory of a
-//! dropped buffer's whole pages goes back at once. Where mapping fails, or off Linux, a buffer
-//! is an ordinary zeroed heap allocation. [`coverage`] tells how much of the regions the OS
+//! dropped buffer's whole pages goes back at once. Where mapping fails, or off x86-64 Linux, a
+//! buffer is an ordinary zeroed heap allocation. [`coverage`] tells how much of the regions the OS
 //! actually backs with 2 MB pages.
 //!
 //! Fresh mappings are zero-filled, so a buffer starts zeroed at no cost. Untouched 2 MB
@@ -145,8 +145,7 @@ impl<T: Copy> Drop for LargeBuf<T> {
                     unsafe { release(start, end - start) };
                 }
             }
-            Owner::Region(_) => {}
-            Owner::Empty => {}
+            Owner::Region(_) | Owner::Empty => {}
         }
     }
 }
