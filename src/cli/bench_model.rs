@@ -43,7 +43,8 @@ pub struct BenchArgs {
     pub baseline_candle: bool,
     /// Also print where the decode steps' time goes: the quantized matmuls (and the LM head
     /// among them), attention, the residual adds and norms, rotary and the K/V write, SiLU,
-    /// and everything else; and the rate the matmuls stream weights.
+    /// and everything else; and the rate the matmuls stream weights (all of them, the
+    /// layers', the LM head's).
     #[arg(long)]
     breakdown: bool,
 }
@@ -75,6 +76,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let config = model.config();
     let bytes = StepBytes {
         weights: model.streamed_weight_bytes() as f64,
+        lm_head: model.lm_head_bytes() as f64,
         kv_per_position: (2 * config.num_layers * config.kv_dim() * args.kv_dtype.size_in_bytes())
             as f64,
         prompt_len: args.prompt_len,
@@ -148,6 +150,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 /// The bytes a batch-1 decode step must read: every weight it streams, and the sequence's K/V.
 struct StepBytes {
     weights: f64,
+    /// The LM head's part of `weights`.
+    lm_head: f64,
     kv_per_position: f64,
     prompt_len: usize,
 }
@@ -200,7 +204,7 @@ impl Row {
         );
         let shares = throughput
             .breakdown
-            .map(|parts| Shares::new(&parts, &throughput.step_secs, bytes.weights));
+            .map(|parts| Shares::new(&parts, &throughput.step_secs, bytes));
         Ok(Self {
             read: median(rates),
             roofline: median(rooflines),
@@ -232,6 +236,8 @@ impl Row {
                 "activation": s.activation,
                 "other": s.other,
                 "matmul_gb_s": s.matmul_gb_s,
+                "layer_matmul_gb_s": s.layer_matmul_gb_s,
+                "lm_head_gb_s": s.lm_head_gb_s,
             });
         }
         obj
@@ -261,7 +267,7 @@ impl Row {
         println!();
         if let Some(s) = &self.shares {
             println!(
-                "{:>6} decode step: matmuls {:.1} % (LM head {:.1} %), attention {:.1} %, adds and norms {:.1} %, rotary and K/V write {:.1} %, SiLU {:.1} %, other {:.1} %; the matmuls stream weights at {:.2} GB/s",
+                "{:>6} decode step: matmuls {:.1} % (LM head {:.1} %), attention {:.1} %, adds and norms {:.1} %, rotary and K/V write {:.1} %, SiLU {:.1} %, other {:.1} %; the matmuls stream weights at {:.2} GB/s (the layers' {:.2}, the LM head's {:.2})",
                 "",
                 100.0 * s.matmul,
                 100.0 * s.lm_head,
@@ -270,7 +276,9 @@ impl Row {
                 100.0 * s.rotary_kv_write,
                 100.0 * s.activation,
                 100.0 * s.other,
-                s.matmul_gb_s
+                s.matmul_gb_s,
+                s.layer_matmul_gb_s,
+                s.lm_head_gb_s,
             );
         }
     }
@@ -287,13 +295,18 @@ struct Shares {
     /// Everything else: the embedding lookup, the rotary angles, the logits' copy, `argmax`,
     /// the next matmul's prefetch hints, the gaps between parts.
     other: f64,
+    /// GB/s of weights through all the matmuls, the layers' alone and the LM head's alone.
     matmul_gb_s: f64,
+    layer_matmul_gb_s: f64,
+    lm_head_gb_s: f64,
 }
 
 impl Shares {
-    /// `weight_bytes`: what every step's matmuls read together.
-    fn new(parts: &Breakdown, step_secs: &[f64], weight_bytes: f64) -> Self {
+    /// `bytes`: what every step's matmuls read.
+    fn new(parts: &Breakdown, step_secs: &[f64], bytes: &StepBytes) -> Self {
         let total: f64 = step_secs.iter().sum();
+        let steps = step_secs.len() as f64;
+        let gb_s = |bytes: f64, secs: f64| bytes * steps / secs / 1e9;
         Self {
             matmul: parts.matmul / total,
             lm_head: parts.lm_head / total,
@@ -309,7 +322,9 @@ impl Shares {
                 - parts.activation)
                 .max(0.0)
                 / total,
-            matmul_gb_s: weight_bytes * step_secs.len() as f64 / parts.matmul / 1e9,
+            matmul_gb_s: gb_s(bytes.weights, parts.matmul),
+            layer_matmul_gb_s: gb_s(bytes.weights - bytes.lm_head, parts.matmul - parts.lm_head),
+            lm_head_gb_s: gb_s(bytes.lm_head, parts.lm_head),
         }
     }
 }

@@ -76,6 +76,8 @@ pub struct Model {
     inv_freq: Vec<f32>,
     device: Device,
     streamed_bytes: usize,
+    /// The LM head's share of `streamed_bytes`.
+    lm_head_bytes: usize,
 }
 
 /// Counts the bytes of every matrix a decode step streams from memory.
@@ -184,6 +186,7 @@ impl Model {
             config.rms_norm_eps,
         )?;
         let tied = config.tied_embeddings || !counting.contains("output.weight");
+        let before_head = counting.bytes;
         let lm_head = if tied {
             counting.bytes += embed.storage_bytes();
             Linear::new(embed.matmul(backend)?, None)?
@@ -197,6 +200,7 @@ impl Model {
             )?
         };
         let streamed_bytes = counting.bytes;
+        let lm_head_bytes = streamed_bytes - before_head;
         // A tied head with rows of its own serves the lookup too; the loaded copy is dropped.
         let head_has_rows = lm_head
             .own_kernel()
@@ -216,6 +220,7 @@ impl Model {
             inv_freq,
             device: device.clone(),
             streamed_bytes,
+            lm_head_bytes,
         })
     }
 
@@ -231,6 +236,11 @@ impl Model {
     /// lookup reads one row and is not counted).
     pub fn streamed_weight_bytes(&self) -> usize {
         self.streamed_bytes
+    }
+
+    /// The LM head's part of [`streamed_weight_bytes`](Self::streamed_weight_bytes).
+    pub fn lm_head_bytes(&self) -> usize {
+        self.lm_head_bytes
     }
 
     /// Whether the embedding lookup reads the tied LM head's rows (the loaded embedding
