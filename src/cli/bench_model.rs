@@ -306,7 +306,7 @@ impl Shares {
     fn new(parts: &Breakdown, step_secs: &[f64], bytes: &StepBytes) -> Self {
         let total: f64 = step_secs.iter().sum();
         let steps = step_secs.len() as f64;
-        let gb_s = |bytes: f64, secs: f64| bytes * steps / secs / 1e9;
+        let gb_s = |per_step: f64, secs: f64| per_step * steps / secs / 1e9;
         Self {
             matmul: parts.matmul / total,
             lm_head: parts.lm_head / total,
