@@ -105,12 +105,7 @@ fn stream<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize) {
     let kernels: Vec<_> = (0..copies).map(|_| kernel()).collect();
     let gb = (bytes.len() * copies) as f64 / 1e9;
     // On huge pages where the OS offers them, as the repacked weights are.
-    // SAFETY: zero bytes are a valid u64.
-    let mut words = unsafe { LargeBuf::<u64>::zeroed(bytes.len() * copies / 8) };
-    words
-        .iter_mut()
-        .enumerate()
-        .for_each(|(i, w)| *w = i as u64);
+    let words = LargeBuf::from_fn(bytes.len() * copies / 8, |i| i as u64);
     let chunk = 1 << 14;
     let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
     let mut out = vec![0f32; rows];

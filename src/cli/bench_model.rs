@@ -346,11 +346,8 @@ impl ReadProbe {
     fn new() -> Self {
         // 512 MiB of u64.
         let words = 64 << 20;
-        // SAFETY: zero bytes are a valid u64.
-        let mut buf = unsafe { LargeBuf::zeroed(words) };
-        buf.iter_mut().enumerate().for_each(|(i, w)| *w = i as u64);
         Self {
-            buf,
+            buf: LargeBuf::from_fn(words, |i| i as u64),
             next: std::cell::Cell::new(0),
         }
     }

@@ -93,6 +93,16 @@ impl<T: Copy> LargeBuf<T> {
         }
     }
 
+    /// `len` elements, element `i` being `f(i)`: every page written (committed) here.
+    pub fn from_fn(len: usize, mut f: impl FnMut(usize) -> T) -> Self {
+        let mut buf = LargeBuf::<std::mem::MaybeUninit<T>>::uninit(len);
+        for (i, slot) in buf.iter_mut().enumerate() {
+            slot.write(f(i));
+        }
+        // SAFETY: every element was written just above.
+        unsafe { buf.assume_init() }
+    }
+
     /// Whether the buffer lies in a region the OS accepted the huge-page advice for (whether
     /// it actually backs it with 2 MB pages depends on free memory: see [`coverage`]).
     pub fn in_huge_page_region(&self) -> bool {
@@ -432,6 +442,15 @@ mod tests {
         // SAFETY: every element was written.
         let buf = unsafe { buf.assume_init() };
         assert!(buf.iter().enumerate().all(|(i, &x)| x == i as u32));
+    }
+
+    #[test]
+    fn from_fn_gives_each_element_its_value() {
+        for len in [0, 10, 50_000] {
+            let buf = LargeBuf::from_fn(len, |i| 3 * i as u64);
+            assert_eq!(buf.len(), len);
+            assert!(buf.iter().enumerate().all(|(i, &x)| x == 3 * i as u64));
+        }
     }
 
     #[test]

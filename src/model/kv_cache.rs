@@ -90,14 +90,9 @@ impl KvCache {
         let per_layer = num_blocks * block_size * config.kv_dim();
         /// Every element written here, so the whole pool is backed by memory from the start
         /// (a pool that does not fit fails now, not mid-request, and no step pays the page
-        /// faults). Called for `f16` and `f32` only, whose zero bytes are the value zero.
+        /// faults).
         fn zeroed<T: KvElem>(layers: usize, len: usize) -> Vec<LayerStore<T>> {
-            let committed = || {
-                // SAFETY: zero bytes are a valid `f16` and `f32`.
-                let mut buf = unsafe { LargeBuf::zeroed(len) };
-                buf.fill(T::default());
-                buf
-            };
+            let committed = || LargeBuf::from_fn(len, |_| T::default());
             (0..layers)
                 .map(|_| LayerStore {
                     k: committed(),
