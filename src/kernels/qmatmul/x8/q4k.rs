@@ -216,4 +216,36 @@ mod avx2 {
             _mm256_storeu_ps(s.as_mut_ptr(), a);
         }
     }
+
+    #[cfg(test)]
+    mod tests {
+        /// Both passes' schedules (AVX2's 16 loads per `p`, VNNI's 8) request each of a
+        /// block's 19 lines once, at most one a load, in order.
+        #[test]
+        fn prefetch_slots_request_each_line_once_in_order() {
+            for steps in [16, 8] {
+                let lines: Vec<usize> = (0..4)
+                    .flat_map(|p| (0..steps).filter_map(move |s| super::prefetch_slot(p, s, steps)))
+                    .collect();
+                let mut sorted = lines.clone();
+                sorted.sort();
+                assert_eq!(
+                    sorted,
+                    (0..19).collect::<Vec<_>>(),
+                    "{steps} steps: {lines:?}"
+                );
+                // Each `p`'s qs lines in order, its tail line last.
+                for p in 0..4 {
+                    let mine: Vec<usize> = (0..steps)
+                        .filter_map(|s| super::prefetch_slot(p, s, steps))
+                        .collect();
+                    let mut want: Vec<usize> = (4 * p..4 * p + 4).collect();
+                    if p < 3 {
+                        want.push(16 + p);
+                    }
+                    assert_eq!(mine, want, "{steps} steps, p = {p}");
+                }
+            }
+        }
+    }
 }

@@ -232,4 +232,22 @@ mod avx2 {
             _mm256_storeu_ps(s.as_mut_ptr(), a);
         }
     }
+
+    #[cfg(test)]
+    mod tests {
+        /// A one-row tile requests each of a block's 27 lines once, in order, spread so that
+        /// no five steps in a row go without a request.
+        #[test]
+        fn one_row_lines_request_each_line_once_in_order() {
+            let lines: Vec<usize> = super::ONE_ROW_LINES
+                .iter()
+                .flatten()
+                .map(|&l| l as usize)
+                .collect();
+            assert_eq!(lines, (0..27).collect::<Vec<_>>());
+            assert!(super::ONE_ROW_LINES
+                .windows(5)
+                .all(|w| w.iter().any(Option::is_some)));
+        }
+    }
 }
