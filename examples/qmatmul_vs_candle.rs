@@ -170,6 +170,11 @@ fn main() {
         stream::<BlockQ8_0>(GgmlDType::Q8_0, 4864, 896);
         stream::<BlockQ8_0>(GgmlDType::Q8_0, 151936, 896);
         stream::<BlockQ4_1>(GgmlDType::Q4_1, 1536, 576);
+        // SmolLM2's other layer matrices: o, q/k/v together, gate/up together, down.
+        stream::<BlockQ4_1>(GgmlDType::Q4_1, 576, 576);
+        stream::<BlockQ4_1>(GgmlDType::Q4_1, 960, 576);
+        stream::<BlockQ4_1>(GgmlDType::Q4_1, 3072, 576);
+        stream::<BlockQ4_1>(GgmlDType::Q4_1, 576, 1536);
     }
     if which.is_empty() || which == "simple" {
         // The 0.5B model's FFN up-projection.

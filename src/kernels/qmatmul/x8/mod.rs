@@ -114,6 +114,8 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     type Source: WeightBlock;
     /// The most activation rows one tile multiplies (its sums stay in registers).
     const TILE_ROWS: usize;
+    /// Bytes ahead of the block being multiplied that the kernels request ([`prefetch_line`]).
+    const PREFETCH_AHEAD: usize;
     /// Interleaves block `b` of eight rows.
     fn pack(rows: [&Self::Source; ROWS]) -> Self;
     /// The eight rows' dot products with one activation block: the portable path.
@@ -241,13 +243,13 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
         let group_bytes = kb * std::mem::size_of::<P>();
         let tile_rows = |left: usize| left.min(P::TILE_ROWS).min(MAX_TILE_ROWS);
         for_each_slice_tile(n / ROWS, group_bytes, m, tile_rows, |groups, r| {
-            // The tiles prefetch `PREFETCH_AHEAD` bytes ahead of their work, so the head of a
-            // thread's chunk would come in as demand misses: every slice starts with its first
-            // `PREFETCH_AHEAD` bytes requested at once (for a slice continuing the previous
-            // one, lines already requested: 48 cheap instructions per slice).
+            // The tiles prefetch `P::PREFETCH_AHEAD` bytes ahead of their work, so the head of
+            // a thread's chunk would come in as demand misses: every slice starts with its
+            // first `P::PREFETCH_AHEAD` bytes requested at once (for a slice continuing the
+            // previous one, lines already requested: 24 to 48 cheap instructions per slice).
             if r.start == 0 {
                 let slice = &self.blocks[groups.start * kb..groups.end * kb];
-                let bytes = std::mem::size_of_val(slice).min(PREFETCH_AHEAD);
+                let bytes = std::mem::size_of_val(slice).min(P::PREFETCH_AHEAD);
                 crate::kernels::prefetch_lines(slice.as_ptr(), bytes);
             }
             let row_acts = &acts[r.start * kb..r.end * kb];
@@ -297,12 +299,8 @@ unsafe fn broadcast4(p: *const u8) -> std::arch::x86_64::__m256i {
     std::arch::x86_64::_mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
 }
 
-/// Bytes ahead of the block being multiplied that [`prefetch_line`] reaches for (two to three
-/// K-quant blocks, a dozen or more of the 32-value ones).
-const PREFETCH_AHEAD: usize = 3072;
-
-/// Prefetches 64-byte line `line` counted from [`PREFETCH_AHEAD`] bytes past `block` (a
-/// group's blocks are one contiguous stream, and a task's groups follow each other). The
+/// Prefetches 64-byte line `line` counted from [`Interleaved::PREFETCH_AHEAD`] bytes past
+/// `block` (a group's blocks are one contiguous stream, and a task's groups follow each other). The
 /// kernels call it once per line of a block, spread over their work on it: a burst of a whole
 /// block's lines at once fills the core's miss buffers and stalls the arithmetic behind it (a
 /// 1536 × 8960 Q6_K matrix streamed from memory at one row: 11–12 GB/s that way, 15–18
@@ -310,8 +308,8 @@ const PREFETCH_AHEAD: usize = 3072;
 /// is harmless.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn prefetch_line<P>(block: &P, line: usize) {
+unsafe fn prefetch_line<P: Interleaved>(block: &P, line: usize) {
     use std::arch::x86_64::*;
-    let ahead = (block as *const P as *const i8).wrapping_add(PREFETCH_AHEAD + 64 * line);
+    let ahead = (block as *const P as *const i8).wrapping_add(P::PREFETCH_AHEAD + 64 * line);
     _mm_prefetch::<_MM_HINT_T0>(ahead);
 }

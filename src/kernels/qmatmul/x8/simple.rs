@@ -69,6 +69,9 @@ pub trait SimpleX8: Copy + Send + Sync + 'static {
 impl<S: SimpleX8> Interleaved for S {
     type Source = S::Source;
     const TILE_ROWS: usize = 4;
+    /// Five to eleven blocks: at 3 KB SmolLM2's Q4_1 matmuls streamed on two threads at 64–94 %
+    /// of a plain read, at 1.5 KB at 76–96 % (its decode 1.5–3 % faster, the 0.5B's unchanged).
+    const PREFETCH_AHEAD: usize = 1536;
 
     fn pack(rows: [&S::Source; ROWS]) -> Self {
         S::interleave(rows)
