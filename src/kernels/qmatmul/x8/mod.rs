@@ -300,8 +300,8 @@ unsafe fn broadcast4(p: *const u8) -> std::arch::x86_64::__m256i {
 }
 
 /// Prefetches 64-byte line `line` counted from [`Interleaved::PREFETCH_AHEAD`] bytes past
-/// `block` (a group's blocks are one contiguous stream, and a task's groups follow each other). The
-/// kernels call it once per line of a block, spread over their work on it: a burst of a whole
+/// `block` (a group's blocks are one contiguous stream, and a task's groups follow each other).
+/// The kernels call it once per line of a block, spread over their work on it: a burst of a whole
 /// block's lines at once fills the core's miss buffers and stalls the arithmetic behind it (a
 /// 1536 × 8960 Q6_K matrix streamed from memory at one row: 11–12 GB/s that way, 15–18
 /// spread, against 17–19 for a plain read). Prefetches never fault, so running past the end

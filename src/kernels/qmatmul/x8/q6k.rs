@@ -50,7 +50,7 @@ impl BlockQ6Kx8 {
 impl Interleaved for BlockQ6Kx8 {
     type Source = BlockQ6K;
     const TILE_ROWS: usize = 8;
-    /// Two to three super-blocks.
+    /// Nearly two interleaved super-blocks (1680 bytes each).
     const PREFETCH_AHEAD: usize = 3072;
 
     fn pack(rows: [&BlockQ6K; ROWS]) -> Self {
