@@ -28,8 +28,6 @@ pub struct BlockQ4Kx8 {
 impl Interleaved for BlockQ4Kx8 {
     type Source = BlockQ4K;
     const TILE_ROWS: usize = 4;
-    /// Two and a half interleaved super-blocks (1184 bytes each).
-    const PREFETCH_AHEAD: usize = 3072;
 
     fn pack(rows: [&BlockQ4K; ROWS]) -> Self {
         let mut out = Self {

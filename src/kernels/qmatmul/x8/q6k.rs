@@ -50,8 +50,6 @@ impl BlockQ6Kx8 {
 impl Interleaved for BlockQ6Kx8 {
     type Source = BlockQ6K;
     const TILE_ROWS: usize = 8;
-    /// Nearly two interleaved super-blocks (1680 bytes each).
-    const PREFETCH_AHEAD: usize = 3072;
 
     fn pack(rows: [&BlockQ6K; ROWS]) -> Self {
         let mut out = Self {
