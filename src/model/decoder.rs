@@ -409,6 +409,8 @@ impl Model {
     ) -> Result<Vec<f32>> {
         let c = &self.config;
         let t = x.len() / c.hidden_size;
+        // The new rows' cache lines come in while the projection runs.
+        kv.prefetch_slots(layer, seqs);
         let qkv = attn.qkv.forward_rows(x, t)?;
         let part = |i: usize, norm: &Option<RmsNorm>| {
             let mut y = Vec::with_capacity(t * qkv.row(i, 0).len());

@@ -214,33 +214,81 @@ impl KvCache {
     /// Writes the K/V rows of the new tokens (`[tokens, kv_heads, head_dim]`, sequences in
     /// order) at their positions, converted to the cache's type.
     pub fn write(&mut self, layer: usize, seqs: &[AttentionSeq], k: &[f32], v: &[f32]) {
-        let shape = (self.head_dim, self.num_kv_heads, self.block_size);
+        let shape = self.shape();
         match &mut self.layers {
             Layers::F16(l) => write_rows(&mut l[layer], shape, seqs, k, v),
             Layers::F32(l) => write_rows(&mut l[layer], shape, seqs, k, v),
         }
     }
+
+    /// Requests into the caches the lines that [`write`](Self::write) will store the new
+    /// tokens' K/V rows of layer `layer` to (those of the first [`PREFETCH_SLOT_ROWS`] rows).
+    /// A decode step's slots are cold, the weights having streamed through the caches since
+    /// the last write, and each store to a missing line would wait for it in turn (about
+    /// 2 µs a layer for SmolLM2's twelve lines); requested before the q/k/v projection, the
+    /// lines arrive while it runs.
+    pub fn prefetch_slots(&self, layer: usize, seqs: &[AttentionSeq]) {
+        fn request<T: KvElem>(store: &LayerStore<T>, shape: Shape, seqs: &[AttentionSeq]) {
+            let hd = shape.0;
+            for dst in slot_offsets(shape, seqs).take(PREFETCH_SLOT_ROWS) {
+                for cache in [&store.k, &store.v] {
+                    let row = &cache[dst..dst + hd];
+                    crate::kernels::prefetch_lines(row.as_ptr(), std::mem::size_of_val(row));
+                }
+            }
+        }
+        let shape = self.shape();
+        match &self.layers {
+            Layers::F16(l) => request(&l[layer], shape, seqs),
+            Layers::F32(l) => request(&l[layer], shape, seqs),
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        (self.head_dim, self.num_kv_heads, self.block_size)
+    }
+}
+
+/// Most K/V rows (each of K and V) [`KvCache::prefetch_slots`] requests: a decode batch's,
+/// not a long prefill's, whose stores are a small part of its work.
+const PREFETCH_SLOT_ROWS: usize = 256;
+
+/// `(head_dim, kv_heads, block_size)` of a cache.
+type Shape = (usize, usize, usize);
+
+/// Where each new token's row of each KV head goes in a layer's K (and V): tokens in sequence
+/// order, a token's heads together (the order of the rows [`KvCache::write`] takes).
+fn slot_offsets<'a>(
+    (hd, kvh, bs): Shape,
+    seqs: &'a [AttentionSeq],
+) -> impl Iterator<Item = usize> + 'a {
+    seqs.iter().flat_map(move |seq| {
+        (seq.start_pos..seq.start_pos + seq.num_tokens).flat_map(move |pos| {
+            let block = seq.blocks[pos / bs] as usize;
+            (0..kvh).map(move |head| ((block * kvh + head) * bs + pos % bs) * hd)
+        })
+    })
 }
 
 /// [`KvCache::write`] into one layer of `T`.
 fn write_rows<T: KvElem>(
     store: &mut LayerStore<T>,
-    (hd, kvh, bs): (usize, usize, usize),
+    shape: Shape,
     seqs: &[AttentionSeq],
     k: &[f32],
     v: &[f32],
 ) {
-    let mut rows = k.chunks_exact(hd).zip(v.chunks_exact(hd));
-    for seq in seqs {
-        for pos in seq.start_pos..seq.start_pos + seq.num_tokens {
-            let block = seq.blocks[pos / bs] as usize;
-            for head in 0..kvh {
-                let (k_row, v_row) = rows.next().expect("K/V rows match the batch");
-                let dst = ((block * kvh + head) * bs + pos % bs) * hd;
-                T::from_f32_slice(&mut store.k[dst..dst + hd], k_row);
-                T::from_f32_slice(&mut store.v[dst..dst + hd], v_row);
-            }
-        }
+    let hd = shape.0;
+    let rows = k.chunks_exact(hd).zip(v.chunks_exact(hd));
+    let slots = slot_offsets(shape, seqs);
+    assert_eq!(
+        rows.len(),
+        seqs.iter().map(|s| s.num_tokens * shape.1).sum::<usize>(),
+        "K/V rows match the batch"
+    );
+    for ((k_row, v_row), dst) in rows.zip(slots) {
+        T::from_f32_slice(&mut store.k[dst..dst + hd], k_row);
+        T::from_f32_slice(&mut store.v[dst..dst + hd], v_row);
     }
 }
 
@@ -338,6 +386,8 @@ mod tests {
                 start_pos: 0,
                 num_tokens: 3,
             }];
+            // The decoder requests the slots' lines first; a hint that changes nothing.
+            cache.prefetch_slots(1, &seqs);
             cache.write(1, &seqs, &k, &v);
             // Position 2 is the first slot of the second block (block size 2, one KV head).
             let third = (table.blocks()[1] as usize * 2) * 4;
@@ -347,6 +397,25 @@ mod tests {
             let (k0, v0) = stored(&cache, 0, 0, 4 * 2 * 4);
             assert!(k0.iter().chain(&v0).all(|&x| x == 0.0), "{dtype:?}");
         }
+    }
+
+    #[test]
+    fn slots_follow_the_block_head_slot_layout() {
+        // Head size 4, two KV heads, blocks of two positions: row `(block, head, slot)` starts
+        // at `((block · 2 + head) · 2 + slot) · 4`.
+        let a = AttentionSeq {
+            blocks: &[3, 1],
+            start_pos: 1,
+            num_tokens: 2,
+        };
+        let b = AttentionSeq {
+            blocks: &[0],
+            start_pos: 0,
+            num_tokens: 1,
+        };
+        let got: Vec<usize> = slot_offsets((4, 2, 2), &[a, b]).collect();
+        // a: position 1 (block 3, slot 1), position 2 (block 1, slot 0); b: block 0, slot 0.
+        assert_eq!(got, [52, 60, 16, 24, 0, 8]);
     }
 
     #[test]
