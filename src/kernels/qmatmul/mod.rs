@@ -42,8 +42,9 @@ pub use blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, SimpleBlock};
 pub use isa::{Isa, IsaError, ISA_ENV};
 pub use kquants::{ActBlockK, BlockQ4K, BlockQ6K, QK_K};
 pub use x8::{
-    BlockQ4Kx8, BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ6Kx8, BlockQ8_0x8, Interleaved,
-    PackedMatrix, PackedQ4K, PackedQ4_0, PackedQ4_1, PackedQ5_0, PackedQ6K, PackedQ8_0,
+    BlockQ4Kx8, BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ6Kx8, BlockQ8_0x8, GatedPacked,
+    Interleaved, PackedMatrix, PackedQ4K, PackedQ4_0, PackedQ4_1, PackedQ5_0, PackedQ6K,
+    PackedQ8_0,
 };
 
 /// Values per block of the 32-value formats.

@@ -310,6 +310,75 @@ fn check_packed<P: Interleaved>() {
     }
 }
 
+/// The gate/up pair with SiLU·gate applied in the kernel against the two products through
+/// [`PackedMatrix`] (checked above against the reference) and then
+/// [`silu_mul`](crate::kernels::silu_mul): equal bit for bit, through every instruction set.
+fn check_gated<P: Interleaved>() {
+    let name = <P::Source as WeightBlock>::NAME;
+    let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
+    for (rows, blocks, batch) in [(8, 1, 1), (24, 3, 17), (72, 2, 7), (16, 5, 0), (80, 1, 9)] {
+        let cols = blocks * len;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((rows * 7 + cols + batch) as u64);
+        let gate = random_blocks::<P::Source>(rows * blocks, &mut rng);
+        let up = random_blocks::<P::Source>(rows * blocks, &mut rng);
+        let gated = GatedPacked::<P>::from_bytes(rows, cols, &gate, &up).unwrap();
+        let (g, u) = (
+            PackedMatrix::<P>::from_bytes(rows, cols, &gate).unwrap(),
+            PackedMatrix::<P>::from_bytes(rows, cols, &up).unwrap(),
+        );
+        assert_eq!((gated.rows(), gated.cols()), (rows, cols));
+        assert_eq!(gated.storage_bytes(), g.storage_bytes() + u.storage_bytes());
+        let x: Vec<f32> = (0..batch * cols)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        for isa in Isa::available() {
+            let (mut gx, mut ux) = (vec![0f32; batch * rows], vec![0f32; batch * rows]);
+            g.matmul_with(isa, &x, &mut gx);
+            u.matmul_with(isa, &x, &mut ux);
+            let mut want = vec![0f32; batch * rows];
+            crate::kernels::silu_mul(&gx, &ux, &mut want);
+            let mut got = vec![f32::NAN; batch * rows];
+            gated.matmul_with(isa, &x, &mut got);
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "gated {name} {isa:?} {rows}x{cols} b{batch}");
+            if isa == Isa::best() {
+                let fresh = gated.matmul_vec(&x);
+                assert!(
+                    fresh
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "gated {name} b{batch}: matmul_vec"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gated_pairs_apply_silu_gate_to_the_two_products() {
+    check_gated::<BlockQ4Kx8>();
+    check_gated::<BlockQ6Kx8>();
+    check_gated::<BlockQ4_0x8>();
+    check_gated::<BlockQ4_1x8>();
+    check_gated::<BlockQ5_0x8>();
+    check_gated::<BlockQ8_0x8>();
+}
+
+#[test]
+fn gated_pairs_need_matching_whole_groups() {
+    let bytes = vec![0u8; 32 * 22];
+    assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(8, 32, &bytes[..176], &bytes[..176]).is_some());
+    // Rows not a multiple of 8, none at all, gate and up of different sizes, a short count.
+    assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(12, 32, &bytes[..264], &bytes[..264]).is_none());
+    assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(0, 32, &[], &[]).is_none());
+    assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(8, 32, &bytes[..176], &bytes[..198]).is_none());
+    assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(8, 32, &bytes[..175], &bytes[..175]).is_none());
+}
+
 #[test]
 fn packed_q4_k_matches_the_dense_reference() {
     check_packed::<BlockQ4Kx8>();

@@ -14,6 +14,9 @@
 //! A batch of `m` rows is taken in tiles of up to [`Interleaved::TILE_ROWS`] activation rows,
 //! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`).
 
+use std::cell::RefCell;
+use std::ops::Range;
+
 use super::{for_each_slice_tile, ActFormat, Isa, QuantKernel, WeightBlock};
 use crate::kernels::large_buf::LargeBuf;
 use crate::kernels::parallel::{for_each_range, prefetch_ahead, DisjointOut};
@@ -240,26 +243,12 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
     }
 
     unsafe fn matmul_quantized(&self, acts: &[Act<P>], m: usize, out: DisjointOut, isa: Isa) {
-        let kb = self.cols / block_len::<P>();
         let n = self.rows;
-        let group_bytes = kb * std::mem::size_of::<P>();
-        let tile_rows = |left: usize| left.min(P::TILE_ROWS).min(MAX_TILE_ROWS);
-        for_each_slice_tile(n / ROWS, group_bytes, m, tile_rows, |groups, r| {
-            // The tiles prefetch `P::PREFETCH_AHEAD` bytes ahead of their work, so the head of
-            // a thread's chunk would come in as demand misses: every slice starts with its
-            // first `P::PREFETCH_AHEAD` bytes requested at once (for a slice continuing the
-            // previous one, lines already requested: 24 to 48 cheap instructions per slice).
-            if r.start == 0 {
-                let slice = &self.blocks[groups.start * kb..groups.end * kb];
-                let bytes = std::mem::size_of_val(slice).min(P::PREFETCH_AHEAD);
-                crate::kernels::prefetch_lines(slice.as_ptr(), bytes);
-            }
-            let row_acts = &acts[r.start * kb..r.end * kb];
+        self.for_each_tile(1, m, |groups, r| {
             let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
             let sums = &mut sums[..r.len()];
             for group in groups {
-                let w = &self.blocks[group * kb..(group + 1) * kb];
-                tile(w, row_acts, kb, sums, isa);
+                self.group_tile(group, acts, r.clone(), sums, isa);
                 for (row, s) in r.clone().zip(sums.iter()) {
                     // SAFETY: columns 8·group..8·group + 8 belong to this task's groups only,
                     // and lie inside `out` (m × n values, as `matmul_quantized`'s caller
@@ -267,6 +256,148 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
                     unsafe { out.write(row * n + group * ROWS, s) };
                 }
             }
+        });
+    }
+}
+
+impl<P: Interleaved> PackedMatrix<P> {
+    /// Spreads the groups over the pool in work items of `per_item` consecutive groups and
+    /// calls `f(items, rows)` for every slice of items and tile of the `m` activation rows
+    /// (`for_each_slice_tile`), the slice's first weights requested as it starts.
+    fn for_each_tile(
+        &self,
+        per_item: usize,
+        m: usize,
+        f: impl Fn(Range<usize>, Range<usize>) + Sync,
+    ) {
+        let kb = self.cols / block_len::<P>();
+        let item_blocks = per_item * kb;
+        let tile_rows = |left: usize| left.min(P::TILE_ROWS).min(MAX_TILE_ROWS);
+        let item_bytes = item_blocks * std::mem::size_of::<P>();
+        for_each_slice_tile(
+            self.rows / ROWS / per_item,
+            item_bytes,
+            m,
+            tile_rows,
+            |items, r| {
+                // The tiles prefetch `P::PREFETCH_AHEAD` bytes ahead of their work, so the head of
+                // a thread's chunk would come in as demand misses: every slice starts with its
+                // first `P::PREFETCH_AHEAD` bytes requested at once (for a slice continuing the
+                // previous one, lines already requested: 24 to 48 cheap instructions per slice).
+                if r.start == 0 {
+                    let slice = &self.blocks[items.start * item_blocks..items.end * item_blocks];
+                    let bytes = std::mem::size_of_val(slice).min(P::PREFETCH_AHEAD);
+                    crate::kernels::prefetch_lines(slice.as_ptr(), bytes);
+                }
+                f(items, r)
+            },
+        );
+    }
+
+    /// `sums[i][j]` = activation row `rows.start + i` (of `acts`) · weight row `8 · group + j`.
+    fn group_tile(
+        &self,
+        group: usize,
+        acts: &[Act<P>],
+        rows: Range<usize>,
+        sums: &mut [[f32; ROWS]],
+        isa: Isa,
+    ) {
+        let kb = self.cols / block_len::<P>();
+        let w = &self.blocks[group * kb..(group + 1) * kb];
+        tile(w, &acts[rows.start * kb..rows.end * kb], kb, sums, isa);
+    }
+}
+
+/// The gate and up projections of a SwiGLU feed-forward layer as one matrix whose product is
+/// the layer's activation, `silu(x · gateᵀ) · (x · upᵀ)` (`rows` values per row of `x`). Their
+/// groups of eight rows alternate (gate rows `8j..8j + 8`, then up rows `8j..8j + 8`), so the
+/// thread that multiplies a pair applies SiLU·gate to it while its sums are at hand: no pass
+/// over the two `rows`-wide products is left to one thread after the parallel call, and no
+/// one reads another core's half of them. The values are those of the two products then
+/// [`silu_mul`](crate::kernels::silu_mul), bit for bit.
+pub struct GatedPacked<P: Interleaved> {
+    /// `2 · rows` rows, the pairs' groups in order.
+    pairs: PackedMatrix<P>,
+}
+
+impl<P: Interleaved> GatedPacked<P> {
+    /// Repacks ggml's bytes of the gate and up matrices (`rows × cols` each); `None` if a byte
+    /// count does not match the shape or `rows` is not a positive multiple of 8.
+    pub fn from_bytes(rows: usize, cols: usize, gate: &[u8], up: &[u8]) -> Option<Self> {
+        if rows == 0 || !rows.is_multiple_of(ROWS) || gate.len() != up.len() {
+            return None;
+        }
+        let group = gate.len() / (rows / ROWS);
+        let mut bytes = Vec::with_capacity(2 * gate.len());
+        for (g, u) in gate.chunks_exact(group).zip(up.chunks_exact(group)) {
+            bytes.extend_from_slice(g);
+            bytes.extend_from_slice(u);
+        }
+        // A count that is not a whole number of groups leaves bytes out and fails here.
+        PackedMatrix::from_bytes(2 * rows, cols, &bytes).map(|pairs| Self { pairs })
+    }
+}
+
+// SAFETY: `matmul_quantized` writes every output value: the row tiles cover `0..m` and the
+// pairs every eight columns (`rows` is a multiple of 8).
+unsafe impl<P: Interleaved> QuantKernel for GatedPacked<P> {
+    type Act = Act<P>;
+
+    fn rows(&self) -> usize {
+        self.pairs.rows / 2
+    }
+
+    fn cols(&self) -> usize {
+        self.pairs.cols
+    }
+
+    fn storage_bytes(&self) -> usize {
+        self.pairs.storage_bytes()
+    }
+
+    fn prefetch_ahead(&self) {
+        self.pairs.prefetch_ahead()
+    }
+
+    unsafe fn matmul_quantized(&self, acts: &[Act<P>], m: usize, out: DisjointOut, isa: Isa) {
+        thread_local! {
+            /// A slice's gate and up products and activations for a tile's rows (grown,
+            /// never shrunk).
+            static STAGE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        }
+        let n = self.rows();
+        self.pairs.for_each_tile(2, m, |pairs, r| {
+            let width = pairs.len() * ROWS;
+            let part = r.len() * width;
+            STAGE.with(|cell| {
+                let mut stage = cell.borrow_mut();
+                if stage.len() < 3 * part {
+                    stage.resize(3 * part, 0.0);
+                }
+                // Row `i` of the tile at `i · width` in each: its values for the slice's pairs.
+                let (gate, rest) = stage[..3 * part].split_at_mut(part);
+                let (up, values) = rest.split_at_mut(part);
+                let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
+                let sums = &mut sums[..r.len()];
+                for (k, pair) in pairs.clone().enumerate() {
+                    for (group, dst) in [(2 * pair, &mut *gate), (2 * pair + 1, &mut *up)] {
+                        self.pairs.group_tile(group, acts, r.clone(), sums, isa);
+                        for (i, s) in sums.iter().enumerate() {
+                            dst[i * width + k * ROWS..][..ROWS].copy_from_slice(s);
+                        }
+                    }
+                }
+                for (i, row) in r.clone().enumerate() {
+                    let at = i * width..(i + 1) * width;
+                    let v = &mut values[at.clone()];
+                    crate::kernels::silu_mul(&gate[at.clone()], &up[at], v);
+                    // SAFETY: columns 8·pairs.start..8·pairs.end belong to this task's pairs
+                    // only, and lie inside `out` (m × rows values, as `matmul_quantized`'s
+                    // caller promised).
+                    unsafe { out.write(row * n + pairs.start * ROWS, v) };
+                }
+            })
         });
     }
 }
