@@ -42,9 +42,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub baseline_candle: bool,
     /// Also print where the decode steps' time goes: the quantized matmuls (and the LM head
-    /// among them), attention, the residual adds and norms, rotary and the K/V write, SiLU,
-    /// and everything else; and the rate the matmuls stream weights (all of them, the
-    /// layers', the LM head's).
+    /// among them), attention, the residual adds and norms, rotary and the K/V write, SiLU
+    /// (where it runs after the gate/up matmul rather than in it), and everything else; and
+    /// the rate the matmuls stream weights (all of them, the layers', the LM head's).
     #[arg(long)]
     breakdown: bool,
 }

@@ -14,10 +14,10 @@ use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
 use super::profile::{timed, Part};
-use super::weights::{FusedLinear, Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
+use super::weights::{FusedLinear, GateUp, Linear, MatmulBackend, RmsNorm, Weight, WeightSource};
+use crate::kernels::add_in_place;
 use crate::kernels::attention::AttentionSeq;
 use crate::kernels::rope::{inverse_frequencies, RotaryAngles};
-use crate::kernels::{add_in_place, silu_mul_rows};
 
 /// One sequence of a forward batch.
 #[derive(Clone, Copy, Debug)]
@@ -46,8 +46,8 @@ struct Attention {
 }
 
 struct Mlp {
-    /// gate and up.
-    gate_up: FusedLinear,
+    /// gate and up, and the SiLU·gate between them and `down`.
+    gate_up: GateUp,
     down: Linear,
 }
 
@@ -141,14 +141,12 @@ impl DecoderLayer {
             attn,
             ffn_norm: RmsNorm::load(src, &format!("{p}.ffn_norm.weight"), h, eps)?,
             mlp: Mlp {
-                gate_up: FusedLinear::load(
+                gate_up: GateUp::load(
                     src,
-                    &[
-                        (&format!("{p}.ffn_gate"), ffn),
-                        (&format!("{p}.ffn_up"), ffn),
-                    ],
+                    &format!("{p}.ffn_gate"),
+                    &format!("{p}.ffn_up"),
+                    ffn,
                     h,
-                    false,
                 )?,
                 down: Linear::load(src, &format!("{p}.ffn_down"), h, ffn, false)?,
             },
@@ -380,10 +378,7 @@ impl Model {
                 layer.ffn_norm.add_forward(&mut x, Some(&a), &mut h)
             });
             layer.mlp.down.prefetch_ahead();
-            let gate_up = layer.mlp.gate_up.forward_rows(&h, t)?;
-            timed(Part::Activation, || {
-                silu_mul_rows(&mut gated, ffn, |r| (gate_up.row(0, r), gate_up.row(1, r)))
-            });
+            layer.mlp.gate_up.forward_into(&h, t, &mut gated)?;
             match self.layers.get(i + 1) {
                 Some(next) => next.attn.qkv.prefetch_ahead(),
                 None => self.lm_head.prefetch_ahead(),

@@ -47,7 +47,8 @@ pub enum Part {
     /// (the angles are computed once per forward, outside) and the K/V rows' write into the
     /// cache.
     RotaryKvWrite,
-    /// SiLU·gate between the FFN's matmuls.
+    /// SiLU·gate between the FFN's matmuls, where it runs on its own (a gate/up kernel that
+    /// applies it as it multiplies counts it as matmul time).
     Activation,
 }
 

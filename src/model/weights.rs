@@ -8,11 +8,13 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Module, Tensor};
 
 use super::error::{ModelError, Result};
+use super::profile::{timed, Part};
 use crate::kernels::qmatmul::{
-    BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, PackedQ4K, PackedQ4_0,
-    PackedQ4_1, PackedQ5_0, PackedQ6K, PackedQ8_0, QuantKernel, QuantMatrix, WeightBlock,
+    BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ4_1, BlockQ4_1x8, BlockQ5_0, BlockQ5_0x8,
+    BlockQ6K, BlockQ6Kx8, BlockQ8_0, BlockQ8_0x8, GatedPacked, PackedMatrix, QuantKernel,
+    QuantMatrix, WeightBlock,
 };
-use crate::kernels::{add_rms_norm_rows, rms_norm_in_place};
+use crate::kernels::{add_rms_norm_rows, rms_norm_in_place, silu_mul_rows};
 
 pub trait WeightSource {
     /// A `[rows, cols]` (out, in) matrix, kept quantized when the checkpoint is.
@@ -187,6 +189,25 @@ impl<K: QuantKernel> OwnKernel for K {
     }
 }
 
+/// `$kernel::<P>::from_bytes($args)` for the interleaved format `P` of ggml type `$dtype`,
+/// boxed; `None` for a type without one, or where `from_bytes` refuses the shape.
+macro_rules! interleaved {
+    ($dtype:expr, $kernel:ident, ($($arg:expr),*)) => {{
+        fn boxed<K: QuantKernel + 'static>(k: K) -> Box<dyn OwnKernel> {
+            Box::new(k)
+        }
+        match $dtype {
+            GgmlDType::Q4_0 => $kernel::<BlockQ4_0x8>::from_bytes($($arg),*).map(boxed),
+            GgmlDType::Q4_1 => $kernel::<BlockQ4_1x8>::from_bytes($($arg),*).map(boxed),
+            GgmlDType::Q5_0 => $kernel::<BlockQ5_0x8>::from_bytes($($arg),*).map(boxed),
+            GgmlDType::Q8_0 => $kernel::<BlockQ8_0x8>::from_bytes($($arg),*).map(boxed),
+            GgmlDType::Q4K => $kernel::<BlockQ4Kx8>::from_bytes($($arg),*).map(boxed),
+            GgmlDType::Q6K => $kernel::<BlockQ6Kx8>::from_bytes($($arg),*).map(boxed),
+            _ => None,
+        }
+    }};
+}
+
 /// Our kernel on a copy of `bytes` (a `[rows, cols]` matrix of `dtype`) repacked for it: every
 /// format our kernels take, with whole groups of eight rows, interleaved (an exact repack; see
 /// `kernels::qmatmul::x8`). `None` for other types and shapes.
@@ -196,18 +217,20 @@ pub fn packed_kernel(
     cols: usize,
     bytes: &[u8],
 ) -> Option<Box<dyn OwnKernel>> {
-    fn boxed<K: QuantKernel + 'static>(k: K) -> Box<dyn OwnKernel> {
-        Box::new(k)
-    }
-    match dtype {
-        GgmlDType::Q4_0 => PackedQ4_0::from_bytes(rows, cols, bytes).map(boxed),
-        GgmlDType::Q4_1 => PackedQ4_1::from_bytes(rows, cols, bytes).map(boxed),
-        GgmlDType::Q5_0 => PackedQ5_0::from_bytes(rows, cols, bytes).map(boxed),
-        GgmlDType::Q8_0 => PackedQ8_0::from_bytes(rows, cols, bytes).map(boxed),
-        GgmlDType::Q4K => PackedQ4K::from_bytes(rows, cols, bytes).map(boxed),
-        GgmlDType::Q6K => PackedQ6K::from_bytes(rows, cols, bytes).map(boxed),
-        _ => None,
-    }
+    interleaved!(dtype, PackedMatrix, (rows, cols, bytes))
+}
+
+/// The gate and up matrices of a feed-forward layer (`[rows, cols]` each, of `dtype`) as one
+/// kernel whose product is `silu(x · gateᵀ) · (x · upᵀ)` (see `GatedPacked`): every format
+/// our interleaved kernels take, `rows` a multiple of 8. `None` for other types and shapes.
+pub fn gated_kernel(
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+    gate: &[u8],
+    up: &[u8],
+) -> Option<Box<dyn OwnKernel>> {
+    interleaved!(dtype, GatedPacked, (rows, cols, gate, up))
 }
 
 /// A CPU tensor's quantized bytes, shared with candle rather than copied.
@@ -379,9 +402,22 @@ impl FusedLinear {
                 biases.push(src.vector(&format!("{name}.bias"), rows)?);
             }
         }
+        let widths: Vec<usize> = parts.iter().map(|p| p.1).collect();
+        Self::from_weights(&weights, &biases, &widths, backend)
+    }
+
+    /// The projections of `weights` (`widths[i]` rows each), with `biases` (one per weight,
+    /// or none at all).
+    fn from_weights(
+        weights: &[Weight],
+        biases: &[Tensor],
+        widths: &[usize],
+        backend: MatmulBackend,
+    ) -> Result<Self> {
+        let bias = !biases.is_empty();
         let mut groups = Vec::new();
         let mut start = 0;
-        while start < parts.len() {
+        while start < weights.len() {
             let end = start
                 + 1
                 + weights[start + 1..]
@@ -397,7 +433,7 @@ impl FusedLinear {
                 true => Some(Tensor::cat(&biases[start..end], 0)?),
                 false => None,
             };
-            let widths = parts[start..end].iter().map(|p| p.1).collect();
+            let widths = widths[start..end].to_vec();
             groups.push((Linear::new(weight.matmul(backend)?, bias)?, widths));
             start = end;
         }
@@ -441,6 +477,69 @@ impl Projections {
         let (m, offset, width) = self.parts[part];
         let (data, stride) = &self.matrices[m];
         &data[row * stride + offset..row * stride + offset + width]
+    }
+}
+
+/// The gate and up projections of a SwiGLU feed-forward layer, and the SiLU·gate that joins
+/// them: one kernel that applies it as it multiplies, where our interleaved kernels take the
+/// two matrices' format ([`gated_kernel`]), else the two projections (a [`FusedLinear`]) and
+/// [`silu_mul_rows`] after. Either gives the same values, bit for bit.
+pub enum GateUp {
+    Fused(Box<dyn OwnKernel>),
+    Separate(FusedLinear),
+}
+
+impl GateUp {
+    /// `gate` and `up` (`rows` output rows each, over `inp` inputs), without biases.
+    pub fn load(
+        src: &mut dyn WeightSource,
+        gate: &str,
+        up: &str,
+        rows: usize,
+        inp: usize,
+    ) -> Result<Self> {
+        let backend = src.backend();
+        let weights = [
+            src.matrix(&format!("{gate}.weight"), rows, inp)?,
+            src.matrix(&format!("{up}.weight"), rows, inp)?,
+        ];
+        if let [Weight::Quantized(g), Weight::Quantized(u)] = &weights {
+            if backend == MatmulBackend::Native && weights[0].stacks_with(&weights[1]) {
+                if let Some(kernel) = gated_kernel(g.dtype(), rows, inp, &g.data()?, &u.data()?) {
+                    return Ok(Self::Fused(kernel));
+                }
+            }
+        }
+        Ok(Self::Separate(FusedLinear::from_weights(
+            &weights,
+            &[],
+            &[rows, rows],
+            backend,
+        )?))
+    }
+
+    /// Says that this is the next matmul to run ([`Linear::prefetch_ahead`]).
+    pub fn prefetch_ahead(&self) {
+        match self {
+            Self::Fused(kernel) => kernel.prefetch_ahead(),
+            Self::Separate(linear) => linear.prefetch_ahead(),
+        }
+    }
+
+    /// `silu(x · gateᵀ) · (x · upᵀ)` for the `rows` rows of `x` (row-major) into `out`
+    /// (`rows` rows of the projections' width).
+    pub fn forward_into(&self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
+        match self {
+            Self::Fused(kernel) => timed(Part::Matmul, || kernel.matmul(x, out)),
+            Self::Separate(linear) => {
+                let gate_up = linear.forward_rows(x, rows)?;
+                let width = out.len() / rows.max(1);
+                timed(Part::Activation, || {
+                    silu_mul_rows(out, width, |r| (gate_up.row(0, r), gate_up.row(1, r)))
+                })
+            }
+        }
+        Ok(())
     }
 }
 
