@@ -1,5 +1,7 @@
 //! Quantized matmul throughput per format and batch size, in GB/s of weights read, next to
-//! candle's quantized matmul on the same weights and input in the same run.
+//! candle's quantized matmul on the same weights and input in the same run; and a feed-forward
+//! layer's gate/up with SiLU·gate applied in the kernel against the stacked matmul and a
+//! SiLU·gate pass after it.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -8,7 +10,8 @@ use tokenrouter::kernels::qmatmul::{
     ActFormat, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8_0, QuantKernel,
     QuantMatrix, WeightBlock,
 };
-use tokenrouter::model::packed_kernel;
+use tokenrouter::kernels::silu_mul_rows;
+use tokenrouter::model::{gated_kernel, packed_kernel};
 
 /// The 0.5B model's FFN up-projection shape, for the 32-value formats.
 const SHAPE: (usize, usize) = (4864, 896);
@@ -46,6 +49,48 @@ fn bench_format<B: WeightBlock>(c: &mut Criterion, dtype: GgmlDType) {
     group.finish();
 }
 
+/// Gate and up of `(rows, cols)` each in `dtype`: the fused kernel (`gated`) against the
+/// stacked matrix and [`silu_mul_rows`] after (`stacked`), GB/s of both matrices' weights.
+fn bench_gate_up(c: &mut Criterion, dtype: GgmlDType, name: &str, (rows, cols): (usize, usize)) {
+    let dev = Device::Cpu;
+    let quantized = |seed: f32| {
+        let w = (Tensor::randn(0f32, 0.05, (rows, cols), &dev).unwrap() + seed as f64).unwrap();
+        QTensor::quantize(&w, dtype)
+            .unwrap()
+            .data()
+            .unwrap()
+            .to_vec()
+    };
+    let (gate, up) = (quantized(0.0), quantized(0.01));
+    let gated = gated_kernel(dtype, rows, cols, &gate, &up).unwrap();
+    let stacked = packed_kernel(dtype, 2 * rows, cols, &[gate.clone(), up].concat()).unwrap();
+    let mut group = c.benchmark_group(format!("gate_up_{name}"));
+    group.throughput(Throughput::Bytes(2 * gate.len() as u64));
+    for batch in [1usize, 16] {
+        let xs = Tensor::randn(0f32, 1.0, (batch, cols), &dev)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let mut out = vec![0f32; batch * rows];
+        group.bench_with_input(BenchmarkId::new("gated", batch), &batch, |b, _| {
+            b.iter(|| gated.matmul(&xs, &mut out))
+        });
+        let mut both = vec![0f32; batch * 2 * rows];
+        group.bench_with_input(BenchmarkId::new("stacked", batch), &batch, |b, _| {
+            b.iter(|| {
+                stacked.matmul(&xs, &mut both);
+                silu_mul_rows(&mut out, rows, |r| {
+                    let row = &both[r * 2 * rows..(r + 1) * 2 * rows];
+                    (&row[..rows], &row[rows..])
+                })
+            })
+        });
+    }
+    group.finish();
+}
+
 fn formats(c: &mut Criterion) {
     bench_format::<BlockQ4_0>(c, GgmlDType::Q4_0);
     bench_format::<BlockQ4_1>(c, GgmlDType::Q4_1);
@@ -53,6 +98,9 @@ fn formats(c: &mut Criterion) {
     bench_format::<BlockQ8_0>(c, GgmlDType::Q8_0);
     bench_format::<BlockQ4K>(c, GgmlDType::Q4K);
     bench_format::<BlockQ6K>(c, GgmlDType::Q6K);
+    // SmolLM2's shape (Q4_1) and the 1.5B's (Q4_K).
+    bench_gate_up(c, GgmlDType::Q4_1, "Q4_1", (1536, 576));
+    bench_gate_up(c, GgmlDType::Q4K, "Q4_K", SHAPE_K);
 }
 
 criterion_group!(benches, formats);

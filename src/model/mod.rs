@@ -28,7 +28,7 @@ pub use error::{ModelError, Result};
 pub use kv_cache::{BlockTable, KvCache, KvDtype};
 pub use sampler::{Sampler, SamplingParams};
 pub use tokenizer::{IncrementalDecoder, SpecialTokens};
-pub use weights::{packed_kernel, MatmulBackend, OwnKernel, Weight, WeightSource};
+pub use weights::{gated_kernel, packed_kernel, MatmulBackend, OwnKernel, Weight, WeightSource};
 
 /// Everything one checkpoint provides: weights, tokenizer, special ids and chat template.
 pub struct LoadedModel {
