@@ -279,13 +279,13 @@ fn write_rows<T: KvElem>(
     v: &[f32],
 ) {
     let hd = shape.0;
-    let rows = k.chunks_exact(hd).zip(v.chunks_exact(hd));
-    let slots = slot_offsets(shape, seqs);
-    assert_eq!(
-        rows.len(),
-        seqs.iter().map(|s| s.num_tokens * shape.1).sum::<usize>(),
+    let values = seqs.iter().map(|s| s.num_tokens).sum::<usize>() * shape.1 * hd;
+    assert!(
+        k.len() == values && v.len() == values,
         "K/V rows match the batch"
     );
+    let rows = k.chunks_exact(hd).zip(v.chunks_exact(hd));
+    let slots = slot_offsets(shape, seqs);
     for ((k_row, v_row), dst) in rows.zip(slots) {
         T::from_f32_slice(&mut store.k[dst..dst + hd], k_row);
         T::from_f32_slice(&mut store.v[dst..dst + hd], v_row);

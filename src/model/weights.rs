@@ -529,11 +529,14 @@ impl GateUp {
     /// `silu(x · gateᵀ) · (x · upᵀ)` for the `rows` rows of `x` (row-major) into `out`
     /// (`rows` rows of the projections' width).
     pub fn forward_into(&self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
         match self {
             Self::Fused(kernel) => timed(Part::Matmul, || kernel.matmul(x, out)),
             Self::Separate(linear) => {
                 let gate_up = linear.forward_rows(x, rows)?;
-                let width = out.len() / rows.max(1);
+                let width = out.len() / rows;
                 timed(Part::Activation, || {
                     silu_mul_rows(out, width, |r| (gate_up.row(0, r), gate_up.row(1, r)))
                 })
@@ -652,6 +655,47 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Gate and up of one interleaved format run as the fused kernel; mixed formats or rows
+    /// not a multiple of 8 as the two projections and SiLU·gate after. Either gives, bit for
+    /// bit, the stacked product and then SiLU·gate row by row.
+    #[test]
+    fn gate_up_fuses_where_the_formats_allow() {
+        use GgmlDType::{Q4K, Q6K, Q8_0};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let dev = Device::Cpu;
+        for (types, rows, cols, fused) in [
+            ([Q8_0, Q8_0], 24, 64, true),
+            ([Q4K, Q4K], 16, 256, true),
+            ([Q4K, Q6K], 16, 256, false),
+            ([Q8_0, Q8_0], 12, 64, false),
+        ] {
+            let mut random =
+                |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
+            let x = random(3 * cols);
+            let mut src = Memory(HashMap::new(), HashMap::new());
+            for (name, dtype) in ["gate", "up"].into_iter().zip(types) {
+                let t = Tensor::from_vec(random(rows * cols), (rows, cols), &dev).unwrap();
+                let q = QTensor::quantize(&t, dtype).unwrap();
+                src.0
+                    .insert(format!("{name}.weight"), Weight::Quantized(Arc::new(q)));
+            }
+            let gate_up = GateUp::load(&mut src, "gate", "up", rows, cols).unwrap();
+            let case = format!("{types:?} {rows}x{cols}");
+            assert_eq!(matches!(gate_up, GateUp::Fused(_)), fused, "{case}");
+            let mut got = vec![f32::NAN; 3 * rows];
+            gate_up.forward_into(&x, 3, &mut got).unwrap();
+            let parts = [("gate", rows), ("up", rows)];
+            let stacked = FusedLinear::load(&mut src, &parts, cols, false).unwrap();
+            let products = stacked.forward_rows(&x, 3).unwrap();
+            let mut want = vec![0f32; 3 * rows];
+            for (r, want) in want.chunks_exact_mut(rows).enumerate() {
+                crate::kernels::silu_mul(products.row(0, r), products.row(1, r), want);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{case}");
         }
     }
 }

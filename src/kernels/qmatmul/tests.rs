@@ -316,7 +316,16 @@ fn check_packed<P: Interleaved>() {
 fn check_gated<P: Interleaved>() {
     let name = <P::Source as WeightBlock>::NAME;
     let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
-    for (rows, blocks, batch) in [(8, 1, 1), (24, 3, 17), (72, 2, 7), (16, 5, 0), (80, 1, 9)] {
+    // The last shape spans several weight slices (each slice's pairs written at its own
+    // offset).
+    for (rows, blocks, batch) in [
+        (8, 1, 1),
+        (24, 3, 17),
+        (72, 2, 7),
+        (16, 5, 0),
+        (80, 1, 9),
+        (256, 8, 3),
+    ] {
         let cols = blocks * len;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((rows * 7 + cols + batch) as u64);
         let gate = random_blocks::<P::Source>(rows * blocks, &mut rng);
@@ -377,6 +386,9 @@ fn gated_pairs_need_matching_whole_groups() {
     assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(0, 32, &[], &[]).is_none());
     assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(8, 32, &bytes[..176], &bytes[..198]).is_none());
     assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(8, 32, &bytes[..175], &bytes[..175]).is_none());
+    // A byte too many in each, or a matrix without columns.
+    assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(16, 32, &bytes[..353], &bytes[..353]).is_none());
+    assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(8, 0, &[], &[]).is_none());
 }
 
 #[test]

@@ -323,19 +323,22 @@ pub struct GatedPacked<P: Interleaved> {
 
 impl<P: Interleaved> GatedPacked<P> {
     /// Repacks ggml's bytes of the gate and up matrices (`rows × cols` each); `None` if a byte
-    /// count does not match the shape or `rows` is not a positive multiple of 8.
+    /// count does not match the shape, or `rows` or `cols` is not a positive multiple of 8 or
+    /// of the block.
     pub fn from_bytes(rows: usize, cols: usize, gate: &[u8], up: &[u8]) -> Option<Self> {
-        if rows == 0 || !rows.is_multiple_of(ROWS) || gate.len() != up.len() {
+        let len = block_len::<P>();
+        let group = ROWS * cols / len.max(1) * std::mem::size_of::<P::Source>();
+        let whole = rows > 0 && rows.is_multiple_of(ROWS) && cols > 0 && cols.is_multiple_of(len);
+        let bytes = rows / ROWS * group;
+        if !whole || gate.len() != bytes || up.len() != bytes {
             return None;
         }
-        let group = gate.len() / (rows / ROWS);
-        let mut bytes = Vec::with_capacity(2 * gate.len());
+        let mut pairs = Vec::with_capacity(2 * bytes);
         for (g, u) in gate.chunks_exact(group).zip(up.chunks_exact(group)) {
-            bytes.extend_from_slice(g);
-            bytes.extend_from_slice(u);
+            pairs.extend_from_slice(g);
+            pairs.extend_from_slice(u);
         }
-        // A count that is not a whole number of groups leaves bytes out and fails here.
-        PackedMatrix::from_bytes(2 * rows, cols, &bytes).map(|pairs| Self { pairs })
+        PackedMatrix::from_bytes(2 * rows, cols, &pairs).map(|pairs| Self { pairs })
     }
 }
 
