@@ -8,6 +8,7 @@ pub mod decoder;
 pub mod error;
 pub mod gguf;
 pub mod kv_cache;
+mod layers;
 pub mod profile;
 pub mod runner;
 pub mod safetensors;
