@@ -327,7 +327,7 @@ impl<P: Interleaved> GatedPacked<P> {
     /// of the block.
     pub fn from_bytes(rows: usize, cols: usize, gate: &[u8], up: &[u8]) -> Option<Self> {
         let len = block_len::<P>();
-        let group = ROWS * cols / len.max(1) * std::mem::size_of::<P::Source>();
+        let group = ROWS * cols / len * std::mem::size_of::<P::Source>();
         let whole = rows > 0 && rows.is_multiple_of(ROWS) && cols > 0 && cols.is_multiple_of(len);
         let bytes = rows / ROWS * group;
         if !whole || gate.len() != bytes || up.len() != bytes {
