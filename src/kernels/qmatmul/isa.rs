@@ -13,6 +13,10 @@ pub enum Isa {
     AvxVnni,
     /// The AVX2 kernels with AVX-512 VNNI's 256-bit integer dot products (`vpdpbusd`).
     Avx512Vnni,
+    /// AVX-512 VNNI, with AMX's tile multiplies for the products of several activation rows
+    /// in the formats that have an AMX path (see `qmatmul::amx`); only where the OS granted
+    /// the tile registers.
+    Amx,
 }
 
 /// Environment variable that chooses the instruction set instead of the fastest one.
@@ -21,7 +25,7 @@ pub const ISA_ENV: &str = "TOKENROUTER_ISA";
 /// A `TOKENROUTER_ISA` value the kernels cannot use.
 #[derive(Debug, thiserror::Error)]
 pub enum IsaError {
-    #[error("{ISA_ENV}={value:?} is not one of scalar, avx2, avx-vnni, avx512-vnni")]
+    #[error("{ISA_ENV}={value:?} is not one of scalar, avx2, avx-vnni, avx512-vnni, amx")]
     Unknown { value: String },
     #[error("{ISA_ENV}={value:?}: this CPU lacks it (it has {available})")]
     Unavailable { value: String, available: String },
@@ -29,7 +33,13 @@ pub enum IsaError {
 
 impl Isa {
     /// Every instruction set, slowest first.
-    pub const ALL: [Isa; 4] = [Self::Scalar, Self::Avx2, Self::AvxVnni, Self::Avx512Vnni];
+    pub const ALL: [Isa; 5] = [
+        Self::Scalar,
+        Self::Avx2,
+        Self::AvxVnni,
+        Self::Avx512Vnni,
+        Self::Amx,
+    ];
 
     /// The name `TOKENROUTER_ISA` takes.
     pub fn name(self) -> &'static str {
@@ -38,6 +48,7 @@ impl Isa {
             Self::Avx2 => "avx2",
             Self::AvxVnni => "avx-vnni",
             Self::Avx512Vnni => "avx512-vnni",
+            Self::Amx => "amx",
         }
     }
 
@@ -97,16 +108,17 @@ impl Isa {
             let avx2 = is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c");
+            let avx512vnni = avx2
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni");
             match self {
                 Self::Scalar => true,
                 Self::Avx2 => avx2,
                 Self::AvxVnni => avx2 && is_x86_feature_detected!("avxvnni"),
-                Self::Avx512Vnni => {
-                    avx2 && is_x86_feature_detected!("avx512f")
-                        && is_x86_feature_detected!("avx512bw")
-                        && is_x86_feature_detected!("avx512vl")
-                        && is_x86_feature_detected!("avx512vnni")
-                }
+                Self::Avx512Vnni => avx512vnni,
+                Self::Amx => avx512vnni && super::amx::available(),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]

@@ -30,6 +30,7 @@ use std::ops::Range;
 use super::parallel::{for_each_range_tail, DisjointOut};
 
 mod acts;
+pub mod amx;
 mod blocks;
 #[cfg(target_arch = "x86_64")]
 pub use avx2::{Avx2Dot, Avx512VnniDot, AvxVnniDot, ByteDot};
@@ -419,7 +420,9 @@ fn dot_tile<B: WeightBlock>(
     match isa {
         Isa::Avx2 => return unsafe { avx2::dot_tile(w, cols, acts, kb, sums) },
         Isa::AvxVnni => return unsafe { avx2::dot_tile_avxvnni(w, cols, acts, kb, sums) },
-        Isa::Avx512Vnni => return unsafe { avx2::dot_tile_vnni(w, cols, acts, kb, sums) },
+        Isa::Avx512Vnni | Isa::Amx => {
+            return unsafe { avx2::dot_tile_vnni(w, cols, acts, kb, sums) }
+        }
         Isa::Scalar => {}
     }
     let _ = isa;

@@ -391,6 +391,59 @@ fn gated_pairs_need_matching_whole_groups() {
     assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(8, 0, &[], &[]).is_none());
 }
 
+/// AMX's product of the 32-value formats is the AVX-512 VNNI tiles', bit for bit, plain and
+/// gated: batches below and above the AMX threshold, one and several 16-row tiles, an odd
+/// last group, several weight slices. Where the CPU has no AMX, or the OS does not grant it,
+/// the kernels must not offer it.
+fn check_amx<P: Interleaved>() {
+    if !Isa::Amx.is_available() {
+        assert!(!amx::available() || !Isa::Avx512Vnni.is_available());
+        assert!(!Isa::available().contains(&Isa::Amx) && Isa::best() != Isa::Amx);
+        eprintln!("no AMX here: only its absence is checked");
+        return;
+    }
+    let name = <P::Source as WeightBlock>::NAME;
+    let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    for (rows, blocks, batch) in [
+        (8, 1, 8),
+        (24, 3, 9),
+        (16, 28, 16),
+        (40, 5, 17),
+        (64, 2, 33),
+        (512, 36, 12),
+        (32, 4, 7),
+    ] {
+        let cols = blocks * len;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((rows * 5 + cols + batch) as u64);
+        let gate = random_blocks::<P::Source>(rows * blocks, &mut rng);
+        let up = random_blocks::<P::Source>(rows * blocks, &mut rng);
+        let x: Vec<f32> = (0..batch * cols)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        let plain = PackedMatrix::<P>::from_bytes(rows, cols, &gate).unwrap();
+        let gated = GatedPacked::<P>::from_bytes(rows, cols, &gate, &up).unwrap();
+        for kernel in [&plain as &dyn QuantKernel<Act = _>, &gated] {
+            let mut want = vec![f32::NAN; batch * rows];
+            kernel.matmul_with(Isa::Avx512Vnni, &x, &mut want);
+            let mut got = vec![f32::NAN; batch * rows];
+            kernel.matmul_with(Isa::Amx, &x, &mut got);
+            assert!(
+                same(&got, &want),
+                "AMX {name} {rows}x{cols} b{batch}: differs from AVX-512 VNNI"
+            );
+        }
+    }
+}
+
+#[test]
+fn amx_tiles_give_the_vnni_products() {
+    check_amx::<BlockQ4_0x8>();
+    check_amx::<BlockQ4_1x8>();
+    check_amx::<BlockQ5_0x8>();
+    check_amx::<BlockQ8_0x8>();
+}
+
 #[test]
 fn packed_q4_k_matches_the_dense_reference() {
     check_packed::<BlockQ4Kx8>();

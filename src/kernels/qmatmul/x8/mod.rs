@@ -60,7 +60,7 @@ macro_rules! simd_tiles {
         ) {
             use crate::kernels::qmatmul::Isa;
             match isa {
-                Isa::Avx512Vnni => tile_avx512vnni::<$($g,)? T>(w, acts, kb, sums),
+                Isa::Avx512Vnni | Isa::Amx => tile_avx512vnni::<$($g,)? T>(w, acts, kb, sums),
                 Isa::AvxVnni => tile_avxvnni::<$($g,)? T>(w, acts, kb, sums),
                 Isa::Avx2 => tile_avx2::<$($g,)? T>(w, acts, kb, sums),
                 Isa::Scalar => unreachable!("the portable path has no SIMD tile"),
@@ -99,6 +99,8 @@ macro_rules! simd_tiles {
     };
 }
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod q4k;
 mod q6k;
 mod simple;
@@ -110,6 +112,11 @@ pub use simple::{BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ8_0x8};
 pub const ROWS: usize = 8;
 /// The most activation rows any format's tile takes.
 const MAX_TILE_ROWS: usize = 8;
+/// The fewest activation rows a product takes AMX tiles for (with [`Isa::Amx`] and a format
+/// that has them); fewer take the AVX-512 VNNI tiles.
+const AMX_MIN_ROWS: usize = 8;
+/// Activation rows, and weight rows, of an AMX tile.
+const AMX_TILE: usize = 16;
 
 /// Block `b` of eight weight rows of one format.
 pub trait Interleaved: Copy + Send + Sync + 'static {
@@ -143,6 +150,25 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
         kb: usize,
         sums: &mut [[f32; ROWS]],
     );
+    /// Whether the format has an AMX path ([`amx_pair`](Self::amx_pair)).
+    const AMX: bool = false;
+    /// `sums[r][c]` for `r < rows` (1 to 16) = activation row `r` (`kb` blocks each in
+    /// `acts`) · weight row `c` of the pair of groups `w` (`w[0]`'s eight rows, then
+    /// `w[1]`'s, `kb` blocks each), through AMX tiles.
+    ///
+    /// # Safety
+    /// [`Isa::Amx`] must be available and `AMX` true.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn amx_pair(
+        w: [&[Self]; 2],
+        acts: &[Act<Self>],
+        kb: usize,
+        rows: usize,
+        sums: &mut [[f32; AMX_TILE]; AMX_TILE],
+    ) {
+        let _ = (w, acts, kb, rows, sums);
+        unreachable!("the format has no AMX path")
+    }
 }
 
 /// The activation blocks an interleaved format multiplies.
@@ -244,7 +270,19 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
 
     unsafe fn matmul_quantized(&self, acts: &[Act<P>], m: usize, out: DisjointOut, isa: Isa) {
         let n = self.rows;
-        self.for_each_tile(1, m, |groups, r| {
+        #[cfg(target_arch = "x86_64")]
+        if uses_amx::<P>(isa, m) {
+            let groups = self.rows / ROWS;
+            return self.amx_pairs(acts, m, |pair, r, sums| {
+                let cols = (groups - 2 * pair).min(2) * ROWS;
+                for (row, s) in r.zip(sums) {
+                    // SAFETY: columns 16·pair..16·pair + cols belong to this task's pairs
+                    // only, and lie inside `out` (as below).
+                    unsafe { out.write(row * n + 2 * pair * ROWS, &s[..cols]) };
+                }
+            });
+        }
+        self.for_each_tile(1, m, P::TILE_ROWS.min(MAX_TILE_ROWS), |groups, r| {
             let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
             let sums = &mut sums[..r.len()];
             for group in groups {
@@ -264,18 +302,20 @@ impl<P: Interleaved> PackedMatrix<P> {
     /// Spreads the groups over the pool in work items of `per_item` consecutive groups and
     /// calls `f(items, rows)` for every slice of items and tile of the `m` activation rows
     /// (`for_each_slice_tile`), the slice's first weights requested as it starts.
+    /// The last item may hold fewer groups; row tiles are at most `max_rows` high.
     fn for_each_tile(
         &self,
         per_item: usize,
         m: usize,
+        max_rows: usize,
         f: impl Fn(Range<usize>, Range<usize>) + Sync,
     ) {
         let kb = self.cols / block_len::<P>();
         let item_blocks = per_item * kb;
-        let tile_rows = |left: usize| left.min(P::TILE_ROWS).min(MAX_TILE_ROWS);
+        let tile_rows = |left: usize| left.min(max_rows);
         let item_bytes = item_blocks * std::mem::size_of::<P>();
         for_each_slice_tile(
-            self.rows / ROWS / per_item,
+            (self.rows / ROWS).div_ceil(per_item),
             item_bytes,
             m,
             tile_rows,
@@ -285,13 +325,44 @@ impl<P: Interleaved> PackedMatrix<P> {
                 // first `P::PREFETCH_AHEAD` bytes requested at once (for a slice continuing the
                 // previous one, lines already requested: 24 to 48 cheap instructions per slice).
                 if r.start == 0 {
-                    let slice = &self.blocks[items.start * item_blocks..items.end * item_blocks];
+                    let end = (items.end * item_blocks).min(self.blocks.len());
+                    let slice = &self.blocks[items.start * item_blocks..end];
                     let bytes = std::mem::size_of_val(slice).min(P::PREFETCH_AHEAD);
                     crate::kernels::prefetch_lines(slice.as_ptr(), bytes);
                 }
                 f(items, r)
             },
         );
+    }
+
+    /// Calls `f(pair, rows, sums)` for every pair of groups (`2 · pair`, and `2 · pair + 1`
+    /// unless the groups end first) and tile of the `m` activation rows, `sums[i][j]` =
+    /// activation row `rows.start + i` · weight row `16 · pair + j`, through AMX tiles.
+    ///
+    /// # Safety
+    /// [`Isa::Amx`] must be available and `P::AMX` true.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn amx_pairs(
+        &self,
+        acts: &[Act<P>],
+        m: usize,
+        f: impl Fn(usize, Range<usize>, &[[f32; AMX_TILE]]) + Sync,
+    ) {
+        let kb = self.cols / block_len::<P>();
+        let groups = self.rows / ROWS;
+        let group = |g: usize| &self.blocks[g * kb..(g + 1) * kb];
+        self.for_each_tile(2, m, AMX_TILE, |pairs, r| {
+            let mut sums = [[0f32; AMX_TILE]; AMX_TILE];
+            for pair in pairs {
+                // An odd last group is multiplied twice and written once.
+                let w = [group(2 * pair), group((2 * pair + 1).min(groups - 1))];
+                let a = &acts[r.start * kb..r.end * kb];
+                // SAFETY: as the caller promised; `a` holds the tile's rows, `w` `kb` blocks
+                // each.
+                unsafe { P::amx_pair(w, a, kb, r.len(), &mut sums) };
+                f(pair, r.clone(), &sums[..r.len()]);
+            }
+        });
     }
 
     /// `sums[i][j]` = activation row `rows.start + i` (of `acts`) · weight row `8 · group + j`.
@@ -370,39 +441,58 @@ unsafe impl<P: Interleaved> QuantKernel for GatedPacked<P> {
             static STAGE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
         }
         let n = self.rows();
-        self.pairs.for_each_tile(2, m, |pairs, r| {
-            let width = pairs.len() * ROWS;
-            let part = r.len() * width;
-            STAGE.with(|cell| {
-                let mut stage = cell.borrow_mut();
-                if stage.len() < 3 * part {
-                    stage.resize(3 * part, 0.0);
+        #[cfg(target_arch = "x86_64")]
+        if uses_amx::<P>(isa, m) {
+            // A pair's sums are its gate rows' then its up rows'.
+            return self.pairs.amx_pairs(acts, m, |pair, r, sums| {
+                let mut v = [0f32; ROWS];
+                for (row, s) in r.zip(sums) {
+                    crate::kernels::silu_mul(&s[..ROWS], &s[ROWS..], &mut v);
+                    // SAFETY: columns 8·pair..8·pair + 8 belong to this task's pairs only, and
+                    // lie inside `out` (as below).
+                    unsafe { out.write(row * n + pair * ROWS, &v) };
                 }
-                // Row `i` of the tile at `i · width` in each: its values for the slice's pairs.
-                let (gate, rest) = stage[..3 * part].split_at_mut(part);
-                let (up, values) = rest.split_at_mut(part);
-                let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
-                let sums = &mut sums[..r.len()];
-                for (k, pair) in pairs.clone().enumerate() {
-                    for (group, dst) in [(2 * pair, &mut *gate), (2 * pair + 1, &mut *up)] {
-                        self.pairs.group_tile(group, acts, r.clone(), sums, isa);
-                        for (i, s) in sums.iter().enumerate() {
-                            dst[i * width + k * ROWS..][..ROWS].copy_from_slice(s);
+            });
+        }
+        self.pairs
+            .for_each_tile(2, m, P::TILE_ROWS.min(MAX_TILE_ROWS), |pairs, r| {
+                let width = pairs.len() * ROWS;
+                let part = r.len() * width;
+                STAGE.with(|cell| {
+                    let mut stage = cell.borrow_mut();
+                    if stage.len() < 3 * part {
+                        stage.resize(3 * part, 0.0);
+                    }
+                    // Row `i` of the tile at `i · width` in each: its values for the slice's pairs.
+                    let (gate, rest) = stage[..3 * part].split_at_mut(part);
+                    let (up, values) = rest.split_at_mut(part);
+                    let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
+                    let sums = &mut sums[..r.len()];
+                    for (k, pair) in pairs.clone().enumerate() {
+                        for (group, dst) in [(2 * pair, &mut *gate), (2 * pair + 1, &mut *up)] {
+                            self.pairs.group_tile(group, acts, r.clone(), sums, isa);
+                            for (i, s) in sums.iter().enumerate() {
+                                dst[i * width + k * ROWS..][..ROWS].copy_from_slice(s);
+                            }
                         }
                     }
-                }
-                for (i, row) in r.clone().enumerate() {
-                    let at = i * width..(i + 1) * width;
-                    let v = &mut values[at.clone()];
-                    crate::kernels::silu_mul(&gate[at.clone()], &up[at], v);
-                    // SAFETY: columns 8·pairs.start..8·pairs.end belong to this task's pairs
-                    // only, and lie inside `out` (m × rows values, as `matmul_quantized`'s
-                    // caller promised).
-                    unsafe { out.write(row * n + pairs.start * ROWS, v) };
-                }
-            })
-        });
+                    for (i, row) in r.clone().enumerate() {
+                        let at = i * width..(i + 1) * width;
+                        let v = &mut values[at.clone()];
+                        crate::kernels::silu_mul(&gate[at.clone()], &up[at], v);
+                        // SAFETY: columns 8·pairs.start..8·pairs.end belong to this task's pairs
+                        // only, and lie inside `out` (m × rows values, as `matmul_quantized`'s
+                        // caller promised).
+                        unsafe { out.write(row * n + pairs.start * ROWS, v) };
+                    }
+                })
+            });
     }
+}
+
+/// Whether a product of `m` activation rows takes AMX tiles.
+fn uses_amx<P: Interleaved>(isa: Isa, m: usize) -> bool {
+    isa == Isa::Amx && P::AMX && m >= AMX_MIN_ROWS
 }
 
 /// One group's tile with the instruction set `isa`.

@@ -54,6 +54,12 @@ pub trait SimpleX8: Copy + Send + Sync + 'static {
     fn m(&self) -> Option<&[f16; ROWS]> {
         None
     }
+    /// Whether the stored values are signed bytes (Q8_0); else unsigned, `OFFSET` above the
+    /// values they stand for.
+    const SIGNED: bool = false;
+    /// What the unsigned stored values add to the true ones (Q4_0 8, Q5_0 16): a dot product
+    /// of stored values loses `OFFSET` times the activation block's `sum`.
+    const OFFSET: i32 = 0;
     /// `Σ value · qs` for each activation row and weight row (a 32-bit lane per weight row),
     /// the values with their signed offsets applied, multiplying bytes as `D` does.
     ///
@@ -64,6 +70,14 @@ pub trait SimpleX8: Copy + Send + Sync + 'static {
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T];
+    /// The AMX weight tile of one block of two groups, `pair[0]`'s eight rows then
+    /// `pair[1]`'s: row `g` holds values `4g..4g + 4` of each of the 16 weight rows, as
+    /// stored (see `SIGNED` and `OFFSET`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 (F, BW).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8];
 }
 
 impl<S: SimpleX8> Interleaved for S {
@@ -104,6 +118,19 @@ impl<S: SimpleX8> Interleaved for S {
     ) {
         use avx2::tile;
         dispatch_rows!(tile<S>, isa, w, acts, kb, sums, [4, 3, 2, 1])
+    }
+
+    const AMX: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn amx_pair(
+        w: [&[Self]; 2],
+        acts: &[ActBlock],
+        kb: usize,
+        rows: usize,
+        sums: &mut [[f32; 16]; 16],
+    ) {
+        super::amx::pair_tile(w, acts, kb, rows, sums)
     }
 }
 
@@ -166,6 +193,8 @@ impl SimpleX8 for BlockQ4_0x8 {
         &self.d
     }
 
+    const OFFSET: i32 = 8;
+
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn dot_i32<const T: usize, D: ByteDot>(
@@ -174,7 +203,15 @@ impl SimpleX8 for BlockQ4_0x8 {
     ) -> [std::arch::x86_64::__m256i; T] {
         use std::arch::x86_64::*;
         let sums = avx2::nibble_dots::<T, D>(&self.qs, acts);
-        std::array::from_fn(|r| _mm256_sub_epi32(sums[r], _mm256_set1_epi32(8 * acts[r].sum)))
+        std::array::from_fn(|r| {
+            _mm256_sub_epi32(sums[r], _mm256_set1_epi32(Self::OFFSET * acts[r].sum))
+        })
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8] {
+        super::amx::nibble_rows(pair.map(|b| &b.qs))
     }
 }
 
@@ -213,6 +250,12 @@ impl SimpleX8 for BlockQ4_1x8 {
     ) -> [std::arch::x86_64::__m256i; T] {
         avx2::nibble_dots::<T, D>(&self.qs, acts)
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8] {
+        super::amx::nibble_rows(pair.map(|b| &b.qs))
+    }
 }
 
 impl SimpleX8 for BlockQ5_0x8 {
@@ -246,6 +289,23 @@ impl SimpleX8 for BlockQ5_0x8 {
 
     fn d(&self) -> &[f16; ROWS] {
         &self.d
+    }
+
+    const OFFSET: i32 = 16;
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8] {
+        use std::arch::x86_64::*;
+        let mut rows = super::amx::nibble_rows(pair.map(|b| &b.qs));
+        // Bit `g` of each lane's `qh` byte is the fifth bit of row `g`'s byte in that lane.
+        let qh = super::amx::join(pair[0].qh.as_ptr(), pair[1].qh.as_ptr());
+        let sixteen = _mm512_set1_epi8(16);
+        for (g, row) in rows.iter_mut().enumerate() {
+            let set = _mm512_test_epi8_mask(qh, _mm512_set1_epi8((1u8 << g) as i8));
+            *row = _mm512_mask_add_epi8(*row, set, *row, sixteen);
+        }
+        rows
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -291,7 +351,7 @@ impl SimpleX8 for BlockQ5_0x8 {
         }
         std::array::from_fn(|r| {
             let sum = _mm256_add_epi32(widen::<D>(lo[r]), widen::<D>(hi[r]));
-            _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * acts[r].sum))
+            _mm256_sub_epi32(sum, _mm256_set1_epi32(Self::OFFSET * acts[r].sum))
         })
     }
 }
@@ -321,6 +381,15 @@ impl SimpleX8 for BlockQ8_0x8 {
 
     fn d(&self) -> &[f16; ROWS] {
         &self.d
+    }
+
+    const SIGNED: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8] {
+        let at = |b: &Self, g: usize| b.qs.as_ptr().add(32 * g) as *const u8;
+        std::array::from_fn(|g| super::amx::join(at(pair[0], g), at(pair[1], g)))
     }
 
     #[cfg(target_arch = "x86_64")]

@@ -1,0 +1,162 @@
+//! Intel AMX (Advanced Matrix Extensions): eight 1 KB tile registers and a tile unit whose one
+//! instruction (`tdpbsud`, `tdpbssd`) multiplies a tile of up to 16 rows × 64 bytes with one
+//! of 16 rows × 64 bytes (four bytes of each of 16 columns a row) into 16 × 16 32-bit sums.
+//!
+//! * **Permission.** Linux leaves the tile registers off until a process asks for them
+//!   (`arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`): a tile instruction without that dies
+//!   with an illegal-instruction signal even where the CPU lists AMX. [`available`] asks once
+//!   and says yes only if the CPU has AMX-TILE and AMX-INT8 and the kernel granted it; the
+//!   kernels take the AMX path only after that (through [`Isa::Amx`](super::Isa::Amx)).
+//! * **Registers.** Stable Rust has no AMX intrinsics, so the instructions are inline
+//!   assembly. The compiler neither uses nor saves the tile registers: only this module's
+//!   callers touch them, and each sets them up ([`configure`]) before use. The shapes are
+//!   fixed, in two sets (registers 0–2 and 3–5) so that one block's multiply can run while
+//!   the other set's is stored: the 32-bit sums (`rows` × 16 columns), the activations
+//!   (`rows` × 32 bytes, one 32-value block of each row) and the weights (8 rows of four
+//!   bytes × 16 columns: one block of 16 weight rows).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::asm;
+
+/// Whether the AMX kernels can run here: the CPU has AMX-TILE and AMX-INT8 and the OS let
+/// this process use the tile registers (asked once).
+pub fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| cpu_has_amx() && os_permits())
+}
+
+/// CPUID leaf 7: EDX bit 24 (AMX-TILE) and bit 25 (AMX-INT8); leaf 0 must reach 7.
+fn cpu_has_amx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid_count;
+        // Leaf 7 counts only where leaf 0 says it exists.
+        let (max, edx) = (__cpuid_count(0, 0).eax, __cpuid_count(7, 0).edx);
+        max >= 7 && edx & (1 << 24) != 0 && edx & (1 << 25) != 0
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Asks Linux for the tile data state (`XFEATURE_XTILEDATA`, 18) and checks that it is
+/// granted; `false` on other systems.
+fn os_permits() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        const ARCH_GET_XCOMP_PERM: libc::c_long = 0x1022;
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XTILEDATA: libc::c_long = 18;
+        let mut granted: u64 = 0;
+        // SAFETY: both calls pass what the arch_prctl interface expects: a feature number,
+        // and a pointer to a u64 the kernel writes the permitted features' bitmap into.
+        unsafe {
+            if libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA) != 0 {
+                return false;
+            }
+            if libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_GET_XCOMP_PERM,
+                &mut granted as *mut u64,
+            ) != 0
+            {
+                return false;
+            }
+        }
+        granted & (1 << XTILEDATA) != 0
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    false
+}
+
+/// Activation rows of one tile at most.
+pub const TILE_ROWS: usize = 16;
+/// Weight rows (output columns) of one tile.
+pub const TILE_COLS: usize = 16;
+
+/// The `ldtilecfg` operand (palette 1).
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    /// Bytes per row of each tile register.
+    colsb: [u16; 16],
+    /// Rows of each tile register.
+    rows: [u8; 16],
+}
+
+thread_local! {
+    /// The activation rows this thread's tiles are configured for (0: not configured).
+    static CONFIGURED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Sets this thread's tiles up for `rows` activation rows (1 to [`TILE_ROWS`]), unless they
+/// already are.
+///
+/// # Safety
+/// [`available`] must have returned `true`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub unsafe fn configure(rows: usize) {
+    debug_assert!((1..=TILE_ROWS).contains(&rows));
+    if CONFIGURED.get() == rows {
+        return;
+    }
+    let mut config = TileConfig {
+        palette: 1,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+    // Each set: the sums, the activations, the weights.
+    for set in [0, 3] {
+        for (tile, colsb, height) in [(set, 64, rows), (set + 1, 32, rows), (set + 2, 64, 8)] {
+            config.colsb[tile] = colsb;
+            config.rows[tile] = height as u8;
+        }
+    }
+    asm!("ldtilecfg [{0}]", in(reg) &config, options(nostack, readonly));
+    CONFIGURED.set(rows);
+}
+
+/// One block's product with register set `SET` (0 or 1): loads the activation tile (`rows`
+/// rows of 32 bytes, row `r` at `a + r · stride`) and the weight tile (`b`), multiplies them
+/// (signed activations × unsigned weights, or signed ones if `signed`) and stores the 32-bit
+/// sums, row `r` to `out[r]`.
+///
+/// # Safety
+/// The tiles are configured ([`configure`]) for `rows` rows, which lie in readable memory.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub unsafe fn product<const SET: usize>(
+    a: *const i8,
+    stride: usize,
+    b: &[[u8; 64]; 8],
+    signed: bool,
+    out: &mut [[i32; TILE_COLS]; TILE_ROWS],
+) {
+    macro_rules! product {
+        ($c:literal, $a:literal, $b:literal, $op:literal) => {
+            asm!(
+                concat!("tileloadd ", $a, ", [{a} + {stride} * 1]"),
+                concat!("tileloadd ", $b, ", [{b} + {row} * 1]"),
+                concat!("tilezero ", $c),
+                concat!($op, " ", $c, ", ", $a, ", ", $b),
+                concat!("tilestored [{out} + {row} * 1], ", $c),
+                a = in(reg) a,
+                stride = in(reg) stride,
+                b = in(reg) b.as_ptr(),
+                row = in(reg) 64usize,
+                out = in(reg) out.as_mut_ptr(),
+                options(nostack, preserves_flags)
+            )
+        };
+    }
+    match (SET, signed) {
+        (0, false) => product!("tmm0", "tmm1", "tmm2", "tdpbsud"),
+        (0, true) => product!("tmm0", "tmm1", "tmm2", "tdpbssd"),
+        (_, false) => product!("tmm3", "tmm4", "tmm5", "tdpbsud"),
+        (_, true) => product!("tmm3", "tmm4", "tmm5", "tdpbssd"),
+    }
+}

@@ -1,0 +1,127 @@
+//! The 32-value formats through AMX tiles (see `qmatmul::amx`). One tile multiply takes one
+//! block of up to 16 activation rows and the same block of 16 weight rows, two interleaved
+//! groups unpacked to bytes ([`SimpleX8::amx_rows`]); its integer sums leave the tile unit
+//! through a 1 KB store, and each activation row's 16 sums then take the AVX2 tile's float
+//! arithmetic with 512-bit registers, so the product equals the VNNI kernels' bit for bit.
+//! Each block needs its own float step (its own scales), which bounds the tile unit to one
+//! 32-byte-deep multiply a block rather than its 64.
+
+use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
+
+use super::simple::SimpleX8;
+use super::{prefetch_line, ROWS};
+use crate::kernels::qmatmul::amx::{self, TILE_COLS, TILE_ROWS};
+use crate::kernels::qmatmul::ActBlock;
+
+/// 32 bytes from `a`, then 32 from `b`.
+#[inline(always)]
+pub(super) unsafe fn join(a: *const u8, b: *const u8) -> __m512i {
+    let low = _mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i));
+    _mm512_inserti64x4::<1>(low, _mm256_loadu_si256(b as *const __m256i))
+}
+
+/// The weight tile's rows for two groups' 4-bit values (as `interleave_nibbles` lays them
+/// out): row `g < 4` is the low nibbles of their 32-byte group `g` (values `4g..4g + 4` of
+/// each weight row), row `g + 4` the high ones (values `16 + 4g..`).
+#[inline(always)]
+pub(super) unsafe fn nibble_rows(qs: [&[u8; 128]; 2]) -> [__m512i; 8] {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let mut rows = [_mm512_setzero_si512(); 8];
+    for g in 0..4 {
+        let raw = join(qs[0].as_ptr().add(32 * g), qs[1].as_ptr().add(32 * g));
+        rows[g] = _mm512_and_si512(raw, m4);
+        rows[g + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+    }
+    rows
+}
+
+/// 64-byte aligned.
+#[repr(C, align(64))]
+struct Aligned<T>(T);
+
+/// Blocks whose weight tiles are unpacked, then multiplied, then scaled as three passes: a
+/// tile load waits for the stores it reads to complete, and the vector loads for the tile
+/// store they read, so a block done start to end idles through both.
+const STRETCH: usize = 8;
+
+/// `sums[r][c]` for `r < rows` = activation row `r` (`kb` blocks from `acts[r · kb]`) · weight
+/// row `c` of the pair `w` (`w[0]`'s eight rows, then `w[1]`'s).
+///
+/// # Safety
+/// [`amx::available`] returned `true` and the CPU has AVX-512 (F, BW, VL); `acts` holds
+/// `rows · kb` blocks, each of `w` `kb`; `rows` is 1 to 16.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn pair_tile<S: SimpleX8>(
+    w: [&[S]; 2],
+    acts: &[ActBlock],
+    kb: usize,
+    rows: usize,
+    sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
+) {
+    debug_assert!((1..=TILE_ROWS).contains(&rows) && acts.len() == rows * kb);
+    debug_assert!(w[0].len() == kb && w[1].len() == kb);
+    amx::configure(rows);
+    // Written before they are read, block by block (zeroing 12 KB a call cost as much as a
+    // block's multiply).
+    let mut b = MaybeUninit::<Aligned<[[[u8; 64]; 8]; STRETCH]>>::uninit();
+    let b = &mut (*b.as_mut_ptr()).0;
+    let mut c = MaybeUninit::<Aligned<[[[i32; TILE_COLS]; TILE_ROWS]; STRETCH]>>::uninit();
+    let c = &mut (*c.as_mut_ptr()).0;
+    let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+    let stride = kb * std::mem::size_of::<ActBlock>();
+    let lines = std::mem::size_of::<S>().div_ceil(64);
+    let halves = |pair: [&[half::f16; ROWS]; 2]| {
+        let half = |h: &[half::f16; ROWS]| _mm_loadu_si128(h.as_ptr() as *const __m128i);
+        _mm512_cvtph_ps(_mm256_set_m128i(half(pair[1]), half(pair[0])))
+    };
+    for k0 in (0..kb).step_by(STRETCH) {
+        let n = STRETCH.min(kb - k0);
+        for (j, b) in b.iter_mut().enumerate().take(n) {
+            let pair = [w[0].get_unchecked(k0 + j), w[1].get_unchecked(k0 + j)];
+            for line in 0..lines {
+                prefetch_line(pair[0], line);
+                prefetch_line(pair[1], line);
+            }
+            for (row, v) in b.iter_mut().zip(S::amx_rows(pair)) {
+                _mm512_store_si512(row.as_mut_ptr() as *mut __m512i, v);
+            }
+        }
+        for j in 0..n {
+            let a = acts.get_unchecked(k0 + j).qs.as_ptr();
+            match j % 2 {
+                0 => amx::product::<0>(a, stride, &b[j], S::SIGNED, &mut c[j]),
+                _ => amx::product::<1>(a, stride, &b[j], S::SIGNED, &mut c[j]),
+            }
+        }
+        for (j, c) in c.iter().enumerate().take(n) {
+            let k = k0 + j;
+            let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
+            let d = halves([pair[0].d(), pair[1].d()]);
+            let m = match (pair[0].m(), pair[1].m()) {
+                (Some(m0), Some(m1)) => Some(halves([m0, m1])),
+                _ => None,
+            };
+            let step = |r: usize, acc: &mut __m512| {
+                let a = acts.get_unchecked(r * kb + k);
+                let mut dots = _mm512_load_si512(c[r].as_ptr() as *const __m512i);
+                if S::OFFSET != 0 {
+                    dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(S::OFFSET * a.sum));
+                }
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, *acc);
+                if let Some(m) = m {
+                    *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s), *acc);
+                }
+            };
+            // Unrolled by hand, so the sums stay in registers.
+            macro_rules! rows {
+                ($($r:literal)*) => { $(if $r < rows { step($r, &mut acc[$r]) })* };
+            }
+            rows!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+        }
+    }
+    for (s, a) in sums.iter_mut().zip(acc).take(rows) {
+        _mm512_storeu_ps(s.as_mut_ptr(), a);
+    }
+}
