@@ -9,7 +9,8 @@
 //!   kernels take the AMX path only after that (through [`Isa::Amx`](super::Isa::Amx)).
 //! * **Registers.** Stable Rust has no AMX intrinsics, so the instructions are inline
 //!   assembly. The compiler neither uses nor saves the tile registers: only this module's
-//!   callers touch them, and each sets them up ([`configure`]) before use. The shapes are
+//!   callers touch them, and each sets them up ([`with_tiles`]) before use and restores what
+//!   it found after. The shapes are
 //!   fixed, in two sets (registers 0–2 and 3–5) so that one block's multiply can run while
 //!   the other set's is stored: the 32-bit sums (`rows` × 16 columns), the activations
 //!   (`rows` × 32 bytes, one 32-value block of each row) and the weights (8 rows of four
@@ -85,23 +86,26 @@ struct TileConfig {
     rows: [u8; 16],
 }
 
-thread_local! {
-    /// The activation rows this thread's tiles are configured for (0: not configured).
-    static CONFIGURED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-/// Sets this thread's tiles up for `rows` activation rows (1 to [`TILE_ROWS`]), unless they
-/// already are.
+/// Runs `f` with this thread's tiles configured for `rows` activation rows (1 to
+/// [`TILE_ROWS`]), then loads back the configuration it found. Other AMX code in the process
+/// may configure a thread's tiles once and count on it (candle's quantized matmul does):
+/// leaving ours loaded made its next tile load fault.
 ///
 /// # Safety
 /// [`available`] must have returned `true`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-pub unsafe fn configure(rows: usize) {
-    debug_assert!((1..=TILE_ROWS).contains(&rows));
-    if CONFIGURED.get() == rows {
-        return;
-    }
+pub unsafe fn with_tiles<R>(rows: usize, f: impl FnOnce() -> R) -> R {
+    assert!((1..=TILE_ROWS).contains(&rows), "{rows} rows in a tile");
+    let mut found = TileConfig {
+        palette: 0,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+    // All zero where no configuration is loaded, which loads back as none.
+    asm!("sttilecfg [{0}]", in(reg) &mut found, options(nostack));
     let mut config = TileConfig {
         palette: 1,
         start_row: 0,
@@ -117,7 +121,9 @@ pub unsafe fn configure(rows: usize) {
         }
     }
     asm!("ldtilecfg [{0}]", in(reg) &config, options(nostack, readonly));
-    CONFIGURED.set(rows);
+    let out = f();
+    asm!("ldtilecfg [{0}]", in(reg) &found, options(nostack, readonly));
+    out
 }
 
 /// One block's product with register set `SET` (0 or 1): loads the activation tile (`rows`
@@ -126,7 +132,7 @@ pub unsafe fn configure(rows: usize) {
 /// sums, row `r` to `out[r]`.
 ///
 /// # Safety
-/// The tiles are configured ([`configure`]) for `rows` rows, which lie in readable memory.
+/// It runs inside [`with_tiles`] for `rows` rows, which lie in readable memory.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub unsafe fn product<const SET: usize>(
@@ -159,4 +165,33 @@ pub unsafe fn product<const SET: usize>(
         (_, false) => product!("tmm3", "tmm4", "tmm5", "tdpbsud"),
         (_, true) => product!("tmm3", "tmm4", "tmm5", "tdpbssd"),
     }
+}
+
+/// This thread's loaded tile configuration, as `sttilecfg` stores it (all zero where none is).
+///
+/// # Safety
+/// [`available`] must have returned `true`.
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(super) unsafe fn loaded_config() -> [u8; 64] {
+    let mut found = TileConfig {
+        palette: 0,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+    asm!("sttilecfg [{0}]", in(reg) &mut found, options(nostack));
+    std::mem::transmute::<TileConfig, [u8; 64]>(found)
+}
+
+/// Loads `config` (64 bytes, as `ldtilecfg` takes them) into this thread's tiles.
+///
+/// # Safety
+/// [`available`] must have returned `true` and `config` be valid.
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(super) unsafe fn load_config(config: &[u8; 64]) {
+    #[repr(C, align(64))]
+    struct Bytes([u8; 64]);
+    let bytes = Bytes(*config);
+    asm!("ldtilecfg [{0}]", in(reg) &bytes, options(nostack, readonly));
 }

@@ -436,6 +436,39 @@ fn check_amx<P: Interleaved>() {
     }
 }
 
+/// A tile configuration another library loaded in this thread (candle's quantized matmul
+/// loads its own once a thread) is the one loaded after our AMX kernels ran, and so is none.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn amx_kernels_give_back_the_tile_configuration_they_found() {
+    if !Isa::Amx.is_available() {
+        assert!(!Isa::available().contains(&Isa::Amx));
+        eprintln!("no AMX here: nothing to check");
+        return;
+    }
+    let (rows, cols, batch) = (48, 4 * 32, 16);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let bytes = random_blocks::<BlockQ8_0>(rows * cols / 32, &mut rng);
+    let m = PackedQ8_0::from_bytes(rows, cols, &bytes).unwrap();
+    let x: Vec<f32> = (0..batch * cols).map(|i| (i % 7) as f32 - 3.0).collect();
+    // Palette 1, tile 7 of 16 rows × 64 bytes: one our kernels do not configure.
+    let mut foreign = [0u8; 64];
+    foreign[0] = 1;
+    foreign[16 + 2 * 7..16 + 2 * 7 + 2].copy_from_slice(&64u16.to_le_bytes());
+    foreign[48 + 7] = 16;
+    // One thread: the calling one does the whole product.
+    let pool = crate::kernels::parallel::ComputePool::new(1, "amx-config");
+    for loaded in [foreign, [0; 64]] {
+        let mut out = vec![0f32; batch * rows];
+        let after = crate::kernels::parallel::with_pool(&pool, || unsafe {
+            amx::load_config(&loaded);
+            m.matmul_with(Isa::Amx, &x, &mut out);
+            amx::loaded_config()
+        });
+        assert_eq!(after, loaded, "the tile configuration after an AMX product");
+    }
+}
+
 #[test]
 fn amx_tiles_give_the_vnni_products() {
     check_amx::<BlockQ4_0x8>();

@@ -49,8 +49,8 @@ const STRETCH: usize = 8;
 /// row `c` of the pair `w` (`w[0]`'s eight rows, then `w[1]`'s).
 ///
 /// # Safety
-/// [`amx::available`] returned `true` and the CPU has AVX-512 (F, BW, VL); `acts` holds
-/// `rows · kb` blocks, each of `w` `kb`; `rows` is 1 to 16.
+/// It runs inside [`amx::with_tiles`] for `rows` rows, and the CPU has AVX-512 (F, BW, VL);
+/// `acts` holds `rows · kb` blocks, each of `w` `kb`; `rows` is 1 to 16.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
 pub(super) unsafe fn pair_tile<S: SimpleX8>(
     w: [&[S]; 2],
@@ -61,7 +61,6 @@ pub(super) unsafe fn pair_tile<S: SimpleX8>(
 ) {
     debug_assert!((1..=TILE_ROWS).contains(&rows) && acts.len() == rows * kb);
     debug_assert!(w[0].len() == kb && w[1].len() == kb);
-    amx::configure(rows);
     // Written before they are read, block by block (zeroing 12 KB a call cost as much as a
     // block's multiply).
     let mut b = MaybeUninit::<Aligned<[[[u8; 64]; 8]; STRETCH]>>::uninit();

@@ -157,7 +157,8 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     /// `w[1]`'s, `kb` blocks each), through AMX tiles.
     ///
     /// # Safety
-    /// [`Isa::Amx`] must be available and `AMX` true.
+    /// [`Isa::Amx`] must be available and `AMX` true; it runs inside
+    /// [`with_tiles`](crate::kernels::qmatmul::amx::with_tiles) for `rows` rows.
     #[cfg(target_arch = "x86_64")]
     unsafe fn amx_pair(
         w: [&[Self]; 2],
@@ -353,14 +354,19 @@ impl<P: Interleaved> PackedMatrix<P> {
         let group = |g: usize| &self.blocks[g * kb..(g + 1) * kb];
         self.for_each_tile(2, m, AMX_TILE, |pairs, r| {
             let mut sums = [[0f32; AMX_TILE]; AMX_TILE];
-            for pair in pairs {
-                // An odd last group is multiplied twice and written once.
-                let w = [group(2 * pair), group((2 * pair + 1).min(groups - 1))];
-                let a = &acts[r.start * kb..r.end * kb];
-                // SAFETY: as the caller promised; `a` holds the tile's rows, `w` `kb` blocks
-                // each.
-                unsafe { P::amx_pair(w, a, kb, r.len(), &mut sums) };
-                f(pair, r.clone(), &sums[..r.len()]);
+            let a = &acts[r.start * kb..r.end * kb];
+            // SAFETY: as the caller promised; `a` holds the tile's rows.
+            unsafe {
+                crate::kernels::qmatmul::amx::with_tiles(r.len(), || {
+                    for pair in pairs {
+                        // An odd last group is multiplied twice and written once.
+                        let w = [group(2 * pair), group((2 * pair + 1).min(groups - 1))];
+                        // SAFETY: inside `with_tiles` for the tile's rows; `w` holds `kb`
+                        // blocks each.
+                        P::amx_pair(w, a, kb, r.len(), &mut sums);
+                        f(pair, r.clone(), &sums[..r.len()]);
+                    }
+                })
             }
         });
     }
