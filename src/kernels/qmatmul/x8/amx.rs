@@ -38,12 +38,19 @@ pub(super) unsafe fn nibble_rows(qs: [&[u8; 128]; 2]) -> [__m512i; 8] {
 
 /// 64-byte aligned.
 #[repr(C, align(64))]
-struct Aligned<T>(T);
+pub(super) struct Aligned<T>(pub(super) T);
+
+/// 16 f16 values, eight from each of `pair`, as f32.
+#[inline(always)]
+pub(super) unsafe fn halves(pair: [&[half::f16; ROWS]; 2]) -> __m512 {
+    let half = |h: &[half::f16; ROWS]| _mm_loadu_si128(h.as_ptr() as *const __m128i);
+    _mm512_cvtph_ps(_mm256_set_m128i(half(pair[1]), half(pair[0])))
+}
 
 /// Blocks whose weight tiles are unpacked, then multiplied, then scaled as three passes: a
 /// tile load waits for the stores it reads to complete, and the vector loads for the tile
 /// store they read, so a block done start to end idles through both.
-const STRETCH: usize = 8;
+pub(super) const STRETCH: usize = 8;
 
 /// `sums[r][c]` for `r < rows` = activation row `r` (`kb` blocks from `acts[r · kb]`) · weight
 /// row `c` of the pair `w` (`w[0]`'s eight rows, then `w[1]`'s).
@@ -70,10 +77,6 @@ pub(super) unsafe fn pair_tile<S: SimpleX8>(
     let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
     let stride = kb * std::mem::size_of::<ActBlock>();
     let lines = std::mem::size_of::<S>().div_ceil(64);
-    let halves = |pair: [&[half::f16; ROWS]; 2]| {
-        let half = |h: &[half::f16; ROWS]| _mm_loadu_si128(h.as_ptr() as *const __m128i);
-        _mm512_cvtph_ps(_mm256_set_m128i(half(pair[1]), half(pair[0])))
-    };
     for k0 in (0..kb).step_by(STRETCH) {
         let n = STRETCH.min(kb - k0);
         for (j, b) in b.iter_mut().enumerate().take(n) {
@@ -101,23 +104,18 @@ pub(super) unsafe fn pair_tile<S: SimpleX8>(
                 (Some(m0), Some(m1)) => Some(halves([m0, m1])),
                 _ => None,
             };
-            let step = |r: usize, acc: &mut __m512| {
+            for_rows!(rows, |r| {
                 let a = acts.get_unchecked(r * kb + k);
                 let mut dots = _mm512_load_si512(c[r].as_ptr() as *const __m512i);
                 if S::OFFSET != 0 {
                     dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(S::OFFSET * a.sum));
                 }
                 let scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, *acc);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, acc[r]);
                 if let Some(m) = m {
-                    *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s), *acc);
+                    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s), acc[r]);
                 }
-            };
-            // Unrolled by hand, so the sums stay in registers.
-            macro_rules! rows {
-                ($($r:literal)*) => { $(if $r < rows { step($r, &mut acc[$r]) })* };
-            }
-            rows!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+            });
         }
     }
     for (s, a) in sums.iter_mut().zip(acc).take(rows) {

@@ -99,6 +99,21 @@ macro_rules! simd_tiles {
     };
 }
 
+/// Runs `$body` with `$r` bound to each of `0..$rows` (at most 16), unrolled, so arrays indexed
+/// by `$r` can live in registers.
+#[cfg(target_arch = "x86_64")]
+macro_rules! for_rows {
+    ($rows:expr, |$r:ident| $body:block) => {
+        for_rows!(@each $rows, $r, $body, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
+    };
+    (@each $rows:expr, $r:ident, $body:block, $($n:literal)*) => {
+        $(if $n < $rows {
+            let $r: usize = $n;
+            $body
+        })*
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod q4k;

@@ -101,6 +101,124 @@ impl Interleaved for BlockQ4Kx8 {
         use avx2::tile;
         dispatch_rows!(tile, isa, w, acts, kb, sums, [4, 3, 2, 1])
     }
+
+    const AMX: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn amx_pair(
+        w: [&[Self]; 2],
+        acts: &[ActBlockK],
+        kb: usize,
+        rows: usize,
+        sums: &mut [[f32; 16]; 16],
+    ) {
+        amx::pair_tile(w, acts, kb, rows, sums)
+    }
+}
+
+/// Q4_K through AMX tiles (see `x8::amx`): a super-block's eight sub-blocks are a stretch,
+/// unpacked, multiplied and scaled in three passes; each sub-block's sums take its integer
+/// scales in 32-bit lanes and each super-block ends with the AVX2 tile's float step, so the
+/// product is the VNNI kernels' bit for bit.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    use super::super::amx::{halves, join, Aligned};
+    use super::super::prefetch_line;
+    use super::{ActBlockK, BlockQ4Kx8};
+    use crate::kernels::qmatmul::amx::{self as tiles, TILE_COLS, TILE_ROWS};
+
+    /// As `x8::amx::pair_tile`, for Q4_K.
+    ///
+    /// # Safety
+    /// As `x8::amx::pair_tile`'s.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn pair_tile(
+        w: [&[BlockQ4Kx8]; 2],
+        acts: &[ActBlockK],
+        kb: usize,
+        rows: usize,
+        sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
+    ) {
+        debug_assert!((1..=TILE_ROWS).contains(&rows) && acts.len() == rows * kb);
+        debug_assert!(w[0].len() == kb && w[1].len() == kb);
+        // Written before they are read, sub-block by sub-block.
+        let mut b = MaybeUninit::<Aligned<[[[u8; 64]; 8]; 8]>>::uninit();
+        let b = &mut (*b.as_mut_ptr()).0;
+        let mut c = MaybeUninit::<Aligned<[[[i32; TILE_COLS]; TILE_ROWS]; 8]>>::uninit();
+        let c = &mut (*c.as_mut_ptr()).0;
+        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        let stride = kb * std::mem::size_of::<ActBlockK>();
+        let m4 = _mm512_set1_epi8(0x0F);
+        let lines = std::mem::size_of::<BlockQ4Kx8>().div_ceil(64);
+        // Eight bytes from each of the two addresses.
+        let bytes8 = |f: [*const u8; 2]| {
+            let half = |p: *const u8| std::ptr::read_unaligned(p as *const i64);
+            _mm_set_epi64x(half(f[1]), half(f[0]))
+        };
+        for k in 0..kb {
+            let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
+            // Chunk `8p + g` of each group's values: its low nibbles are values `4g..4g + 4`
+            // of sub-block `2p`, its high ones of sub-block `2p + 1`.
+            for p in 0..4 {
+                for line in p * lines / 4..(p + 1) * lines / 4 {
+                    prefetch_line(pair[0], line);
+                    prefetch_line(pair[1], line);
+                }
+                for g in 0..8 {
+                    let at = (p * 8 + g) * 32;
+                    let raw = join(pair[0].qs.as_ptr().add(at), pair[1].qs.as_ptr().add(at));
+                    let lo = _mm512_and_si512(raw, m4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+                    _mm512_store_si512(b[2 * p][g].as_mut_ptr() as *mut __m512i, lo);
+                    _mm512_store_si512(b[2 * p + 1][g].as_mut_ptr() as *mut __m512i, hi);
+                }
+            }
+            let a = acts.get_unchecked(k).qs.as_ptr();
+            for j in 0..8 {
+                match j % 2 {
+                    0 => tiles::product::<0>(a.add(32 * j), stride, &b[j], false, &mut c[j]),
+                    _ => tiles::product::<1>(a.add(32 * j), stride, &b[j], false, &mut c[j]),
+                }
+            }
+            let mut sumi = [_mm512_setzero_si512(); TILE_ROWS];
+            for (j, c) in c.iter().enumerate() {
+                let scales = pair.map(|block| block.scales.as_ptr().add(8 * j));
+                let scales = _mm512_cvtepu8_epi32(bytes8(scales));
+                for_rows!(rows, |r| {
+                    let dots = _mm512_load_si512(c[r].as_ptr() as *const __m512i);
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(dots, scales));
+                });
+            }
+            let d = halves([&pair[0].d, &pair[1].d]);
+            let dmin = halves([&pair[0].dmin, &pair[1].dmin]);
+            // `mins[16p + 2i + h]` of each group: lane `i` (8 more for the second group)
+            // holds sub-blocks `2p` and `2p + 1`'s mins as a pair of 16-bit values.
+            let mins: [__m512i; 4] = std::array::from_fn(|p| {
+                let half = |block: &BlockQ4Kx8| {
+                    _mm_loadu_si128(block.mins.as_ptr().add(16 * p) as *const __m128i)
+                };
+                _mm512_cvtepu8_epi16(_mm256_set_m128i(half(pair[1]), half(pair[0])))
+            });
+            for_rows!(rows, |r| {
+                let a = acts.get_unchecked(r * kb + k);
+                let mut summ = _mm512_setzero_si512();
+                for (p, m) in mins.iter().enumerate() {
+                    // Sub-blocks `2p` and `2p + 1`'s activation sums, as a pair.
+                    let s = std::ptr::read_unaligned(a.bsums32.as_ptr().add(2 * p) as *const i32);
+                    summ = _mm512_add_epi32(summ, _mm512_madd_epi16(*m, _mm512_set1_epi32(s)));
+                }
+                let ad = _mm512_set1_ps(a.d);
+                let v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(d, ad), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, ad), v);
+            });
+        }
+        for (s, a) in sums.iter_mut().zip(acc).take(rows) {
+            _mm512_storeu_ps(s.as_mut_ptr(), a);
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
