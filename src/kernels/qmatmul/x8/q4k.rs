@@ -167,13 +167,14 @@ mod amx {
                     prefetch_line(pair[0], line);
                     prefetch_line(pair[1], line);
                 }
-                for g in 0..8 {
+                let (lo, hi) = b[2 * p..2 * p + 2].split_at_mut(1);
+                for (g, (lo, hi)) in lo[0].iter_mut().zip(hi[0].iter_mut()).enumerate() {
                     let at = (p * 8 + g) * 32;
                     let raw = join(pair[0].qs.as_ptr().add(at), pair[1].qs.as_ptr().add(at));
-                    let lo = _mm512_and_si512(raw, m4);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
-                    _mm512_store_si512(b[2 * p][g].as_mut_ptr() as *mut __m512i, lo);
-                    _mm512_store_si512(b[2 * p + 1][g].as_mut_ptr() as *mut __m512i, hi);
+                    let low = _mm512_and_si512(raw, m4);
+                    let high = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+                    _mm512_store_si512(lo.as_mut_ptr() as *mut __m512i, low);
+                    _mm512_store_si512(hi.as_mut_ptr() as *mut __m512i, high);
                 }
             }
             let a = acts.get_unchecked(k).qs.as_ptr();
