@@ -13,8 +13,8 @@
 //!   it found after. The shapes are
 //!   fixed, in two sets (registers 0–2 and 3–5) so that one block's multiply can run while
 //!   the other set's is stored: the 32-bit sums (`rows` × 16 columns), the activations
-//!   (`rows` × 32 bytes, one 32-value block of each row) and the weights (8 rows of four
-//!   bytes × 16 columns: one block of 16 weight rows).
+//!   (`rows` × 32 bytes, one 32-value block of each row; 16 for Q6_K's 16-value scales) and
+//!   the weights (8 rows of four bytes × 16 columns, or 4: one block of 16 weight rows).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::asm;
@@ -87,7 +87,9 @@ struct TileConfig {
 }
 
 /// Runs `f` with this thread's tiles configured for `rows` activation rows (1 to
-/// [`TILE_ROWS`]), then loads back the configuration it found. Other AMX code in the process
+/// [`TILE_ROWS`]) and products `depth` bytes deep (4 to 64, a multiple of 4: the activation
+/// tile's bytes a row, the weight tile's rows times 4), then loads back the configuration it
+/// found. Other AMX code in the process
 /// may configure a thread's tiles once and count on it (candle's quantized matmul does):
 /// leaving ours loaded made its next tile load fault.
 ///
@@ -95,8 +97,12 @@ struct TileConfig {
 /// [`available`] must have returned `true`.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-pub unsafe fn with_tiles<R>(rows: usize, f: impl FnOnce() -> R) -> R {
+pub unsafe fn with_tiles<R>(rows: usize, depth: usize, f: impl FnOnce() -> R) -> R {
     assert!((1..=TILE_ROWS).contains(&rows), "{rows} rows in a tile");
+    assert!(
+        (4..=64).contains(&depth) && depth % 4 == 0,
+        "products {depth} bytes deep"
+    );
     let mut found = TileConfig {
         palette: 0,
         start_row: 0,
@@ -115,8 +121,13 @@ pub unsafe fn with_tiles<R>(rows: usize, f: impl FnOnce() -> R) -> R {
     };
     // Each set: the sums, the activations, the weights.
     for set in [0, 3] {
-        for (tile, colsb, height) in [(set, 64, rows), (set + 1, 32, rows), (set + 2, 64, 8)] {
-            config.colsb[tile] = colsb;
+        let shapes = [
+            (set, 64, rows),
+            (set + 1, depth, rows),
+            (set + 2, 64, depth / 4),
+        ];
+        for (tile, colsb, height) in shapes {
+            config.colsb[tile] = colsb as u16;
             config.rows[tile] = height as u8;
         }
     }
@@ -127,18 +138,20 @@ pub unsafe fn with_tiles<R>(rows: usize, f: impl FnOnce() -> R) -> R {
 }
 
 /// One block's product with register set `SET` (0 or 1): loads the activation tile (`rows`
-/// rows of 32 bytes, row `r` at `a + r · stride`) and the weight tile (`b`), multiplies them
+/// rows of `depth` bytes, row `r` at `a + r · stride`) and the weight tile (its first
+/// `depth / 4` rows of `b`), multiplies them
 /// (signed activations × unsigned weights, or signed ones if `signed`) and stores the 32-bit
 /// sums, row `r` to `out[r]`.
 ///
 /// # Safety
-/// It runs inside [`with_tiles`] for `rows` rows, which lie in readable memory.
+/// It runs inside [`with_tiles`] for `rows` rows and some `depth`; the activation rows lie in
+/// readable memory, and `b` points to `depth / 4` rows.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub unsafe fn product<const SET: usize>(
     a: *const i8,
     stride: usize,
-    b: &[[u8; 64]; 8],
+    b: *const [u8; 64],
     signed: bool,
     out: &mut [[i32; TILE_COLS]; TILE_ROWS],
 ) {
@@ -152,7 +165,7 @@ pub unsafe fn product<const SET: usize>(
                 concat!("tilestored [{out} + {row} * 1], ", $c),
                 a = in(reg) a,
                 stride = in(reg) stride,
-                b = in(reg) b.as_ptr(),
+                b = in(reg) b,
                 row = in(reg) 64usize,
                 out = in(reg) out.as_mut_ptr(),
                 options(nostack, preserves_flags)

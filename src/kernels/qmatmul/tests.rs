@@ -391,7 +391,7 @@ fn gated_pairs_need_matching_whole_groups() {
     assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(8, 0, &[], &[]).is_none());
 }
 
-/// AMX's product of the 32-value formats and Q4_K is the AVX-512 VNNI tiles', bit for bit, plain and
+/// AMX's product of every interleaved format is the AVX-512 VNNI tiles', bit for bit, plain and
 /// gated: batches below and above the AMX threshold, one and several 16-row tiles, an odd
 /// last group, several weight slices. Where the CPU has no AMX, or the OS does not grant it,
 /// the kernels must not offer it.
@@ -476,6 +476,7 @@ fn amx_tiles_give_the_vnni_products() {
     check_amx::<BlockQ5_0x8>();
     check_amx::<BlockQ8_0x8>();
     check_amx::<BlockQ4Kx8>();
+    check_amx::<BlockQ6Kx8>();
 }
 
 #[test]

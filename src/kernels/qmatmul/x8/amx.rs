@@ -92,8 +92,8 @@ pub(super) unsafe fn pair_tile<S: SimpleX8>(
         for j in 0..n {
             let a = acts.get_unchecked(k0 + j).qs.as_ptr();
             match j % 2 {
-                0 => amx::product::<0>(a, stride, &b[j], S::SIGNED, &mut c[j]),
-                _ => amx::product::<1>(a, stride, &b[j], S::SIGNED, &mut c[j]),
+                0 => amx::product::<0>(a, stride, b[j].as_ptr(), S::SIGNED, &mut c[j]),
+                _ => amx::product::<1>(a, stride, b[j].as_ptr(), S::SIGNED, &mut c[j]),
             }
         }
         for (j, c) in c.iter().enumerate().take(n) {

@@ -167,13 +167,16 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     );
     /// Whether the format has an AMX path ([`amx_pair`](Self::amx_pair)).
     const AMX: bool = false;
+    /// Bytes deep its AMX products are: the values one set of scales covers.
+    const AMX_DEPTH: usize = 32;
     /// `sums[r][c]` for `r < rows` (1 to 16) = activation row `r` (`kb` blocks each in
     /// `acts`) · weight row `c` of the pair of groups `w` (`w[0]`'s eight rows, then
     /// `w[1]`'s, `kb` blocks each), through AMX tiles.
     ///
     /// # Safety
     /// [`Isa::Amx`] must be available and `AMX` true; it runs inside
-    /// [`with_tiles`](crate::kernels::qmatmul::amx::with_tiles) for `rows` rows.
+    /// [`with_tiles`](crate::kernels::qmatmul::amx::with_tiles) for `rows` rows and
+    /// `AMX_DEPTH`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn amx_pair(
         w: [&[Self]; 2],
@@ -372,7 +375,7 @@ impl<P: Interleaved> PackedMatrix<P> {
             let a = &acts[r.start * kb..r.end * kb];
             // SAFETY: as the caller promised; `a` holds the tile's rows.
             unsafe {
-                crate::kernels::qmatmul::amx::with_tiles(r.len(), || {
+                crate::kernels::qmatmul::amx::with_tiles(r.len(), P::AMX_DEPTH, || {
                     for pair in pairs {
                         // An odd last group is multiplied twice and written once.
                         let w = [group(2 * pair), group((2 * pair + 1).min(groups - 1))];

@@ -180,8 +180,12 @@ mod amx {
             let a = acts.get_unchecked(k).qs.as_ptr();
             for j in 0..8 {
                 match j % 2 {
-                    0 => tiles::product::<0>(a.add(32 * j), stride, &b[j], false, &mut c[j]),
-                    _ => tiles::product::<1>(a.add(32 * j), stride, &b[j], false, &mut c[j]),
+                    0 => {
+                        tiles::product::<0>(a.add(32 * j), stride, b[j].as_ptr(), false, &mut c[j])
+                    }
+                    _ => {
+                        tiles::product::<1>(a.add(32 * j), stride, b[j].as_ptr(), false, &mut c[j])
+                    }
                 }
             }
             let mut sumi = [_mm512_setzero_si512(); TILE_ROWS];

@@ -118,6 +118,21 @@ impl Interleaved for BlockQ6Kx8 {
         use avx2::tile;
         dispatch_rows!(tile, isa, w, acts, kb, sums, [8, 7, 6, 5, 4, 3, 2, 1])
     }
+
+    const AMX: bool = true;
+    /// A scale covers 16 values.
+    const AMX_DEPTH: usize = 16;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn amx_pair(
+        w: [&[Self]; 2],
+        acts: &[ActBlockK],
+        kb: usize,
+        rows: usize,
+        sums: &mut [[f32; 16]; 16],
+    ) {
+        amx::pair_tile(w, acts, kb, rows, sums)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -131,7 +146,7 @@ mod avx2 {
 
     /// The values of sub-block `4n + k` for group `g` (four values of each row) as bytes.
     #[inline(always)]
-    unsafe fn values(block: &BlockQ6Kx8, n: usize, k: usize, g: usize) -> __m256i {
+    pub(super) unsafe fn values(block: &BlockQ6Kx8, n: usize, k: usize, g: usize) -> __m256i {
         let at = |j: usize| {
             _mm256_load_si256(block.q.as_ptr().add(q_index(n, 4 * g, j, 0)) as *const __m256i)
         };
@@ -248,6 +263,105 @@ mod avx2 {
             assert!(super::ONE_ROW_LINES
                 .windows(5)
                 .all(|w| w.iter().any(Option::is_some)));
+        }
+    }
+}
+
+/// Q6_K through AMX tiles (see `x8::amx`): as Q4_K's, with a product 16 values deep for each of
+/// a super-block's 16 scales; the -32 of every value comes back once a super-block through the
+/// activations' 16-value sums, as in the AVX2 tile, so the product is the VNNI kernels' bit
+/// for bit.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    use super::super::amx::{halves, Aligned};
+    use super::super::prefetch_line;
+    use super::avx2::values;
+    use super::{ActBlockK, BlockQ6Kx8};
+    use crate::kernels::qmatmul::amx::{self as tiles, TILE_COLS, TILE_ROWS};
+
+    /// As `x8::amx::pair_tile`, for Q6_K.
+    ///
+    /// # Safety
+    /// As `x8::amx::pair_tile`'s, inside `with_tiles` 16 bytes deep.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn pair_tile(
+        w: [&[BlockQ6Kx8]; 2],
+        acts: &[ActBlockK],
+        kb: usize,
+        rows: usize,
+        sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
+    ) {
+        debug_assert!((1..=TILE_ROWS).contains(&rows) && acts.len() == rows * kb);
+        debug_assert!(w[0].len() == kb && w[1].len() == kb);
+        // Written before they are read: row `g` of sub-block `sub`'s tile holds values
+        // `4g..4g + 4`; the 16-value halves are its rows 0–3 and 4–7.
+        let mut b = MaybeUninit::<Aligned<[[[u8; 64]; 8]; 8]>>::uninit();
+        let b = &mut (*b.as_mut_ptr()).0;
+        let mut c = MaybeUninit::<Aligned<[[[i32; TILE_COLS]; TILE_ROWS]; 16]>>::uninit();
+        let c = &mut (*c.as_mut_ptr()).0;
+        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        let stride = kb * std::mem::size_of::<ActBlockK>();
+        let lines = std::mem::size_of::<BlockQ6Kx8>().div_ceil(64);
+        for k in 0..kb {
+            let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
+            for (sub, tile) in b.iter_mut().enumerate() {
+                for line in sub * lines / 8..(sub + 1) * lines / 8 {
+                    prefetch_line(pair[0], line);
+                    prefetch_line(pair[1], line);
+                }
+                let (n, q) = (sub / 4, sub % 4);
+                for (g, row) in tile.iter_mut().enumerate() {
+                    let low = _mm512_castsi256_si512(values(pair[0], n, q, g));
+                    let v = _mm512_inserti64x4::<1>(low, values(pair[1], n, q, g));
+                    _mm512_store_si512(row.as_mut_ptr() as *mut __m512i, v);
+                }
+            }
+            let a = acts.get_unchecked(k).qs.as_ptr();
+            for s in 0..16 {
+                let (x, half) = (a.add(16 * s), b[s / 2].as_ptr().add(4 * (s % 2)));
+                match s % 2 {
+                    0 => tiles::product::<0>(x, stride, half, false, &mut c[s]),
+                    _ => tiles::product::<1>(x, stride, half, false, &mut c[s]),
+                }
+            }
+            let mut sumi = [_mm512_setzero_si512(); TILE_ROWS];
+            for (s, c) in c.iter().enumerate() {
+                let scale = |block: &BlockQ6Kx8| {
+                    std::ptr::read_unaligned(block.scales.as_ptr().add(8 * s) as *const i64)
+                };
+                let scales = _mm512_cvtepi8_epi32(_mm_set_epi64x(scale(pair[1]), scale(pair[0])));
+                for_rows!(rows, |r| {
+                    let dots = _mm512_load_si512(c[r].as_ptr() as *const __m512i);
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(dots, scales));
+                });
+            }
+            // The -32 of every value: Σ_s scale_s · 32 · bsum_s, two scales per `madd` (lane
+            // `i` holds scales `2p` and `2p + 1` of its row as a pair of 16-bit values).
+            let scale_pairs: [__m512i; 8] = std::array::from_fn(|p| {
+                let pairs = |block: &BlockQ6Kx8| {
+                    let s = _mm_loadu_si128(block.scales.as_ptr().add(16 * p) as *const __m128i);
+                    _mm_unpacklo_epi8(s, _mm_srli_si128::<8>(s))
+                };
+                _mm512_cvtepi8_epi16(_mm256_set_m128i(pairs(pair[1]), pairs(pair[0])))
+            });
+            let d = halves([&pair[0].d, &pair[1].d]);
+            for_rows!(rows, |r| {
+                let a = acts.get_unchecked(r * kb + k);
+                let mut offset = _mm512_setzero_si512();
+                for (p, sp) in scale_pairs.iter().enumerate() {
+                    let s = std::ptr::read_unaligned(a.bsums.as_ptr().add(2 * p) as *const i32);
+                    offset = _mm512_add_epi32(offset, _mm512_madd_epi16(*sp, _mm512_set1_epi32(s)));
+                }
+                let total = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32::<5>(offset));
+                let dv = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), dv, acc[r]);
+            });
+        }
+        for (s, a) in sums.iter_mut().zip(acc).take(rows) {
+            _mm512_storeu_ps(s.as_mut_ptr(), a);
         }
     }
 }
