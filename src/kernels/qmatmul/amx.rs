@@ -100,7 +100,7 @@ struct TileConfig {
 pub unsafe fn with_tiles<R>(rows: usize, depth: usize, f: impl FnOnce() -> R) -> R {
     assert!((1..=TILE_ROWS).contains(&rows), "{rows} rows in a tile");
     assert!(
-        (4..=64).contains(&depth) && depth % 4 == 0,
+        (4..=64).contains(&depth) && depth.is_multiple_of(4),
         "products {depth} bytes deep"
     );
     let mut found = TileConfig {
