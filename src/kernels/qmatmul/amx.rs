@@ -86,6 +86,18 @@ struct TileConfig {
     rows: [u8; 16],
 }
 
+impl TileConfig {
+    /// No configuration (palette 0): what `sttilecfg` stores where none is loaded, and loads
+    /// as none.
+    const NONE: Self = Self {
+        palette: 0,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+}
+
 /// Runs `f` with this thread's tiles configured for `rows` activation rows (1 to
 /// [`TILE_ROWS`]) and products `depth` bytes deep (4 to 64, a multiple of 4: the activation
 /// tile's bytes a row, the weight tile's rows times 4), then loads back the configuration it
@@ -103,21 +115,12 @@ pub unsafe fn with_tiles<R>(rows: usize, depth: usize, f: impl FnOnce() -> R) ->
         (4..=64).contains(&depth) && depth.is_multiple_of(4),
         "products {depth} bytes deep"
     );
-    let mut found = TileConfig {
-        palette: 0,
-        start_row: 0,
-        reserved: [0; 14],
-        colsb: [0; 16],
-        rows: [0; 16],
-    };
+    let mut found = TileConfig::NONE;
     // All zero where no configuration is loaded, which loads back as none.
     asm!("sttilecfg [{0}]", in(reg) &mut found, options(nostack));
     let mut config = TileConfig {
         palette: 1,
-        start_row: 0,
-        reserved: [0; 14],
-        colsb: [0; 16],
-        rows: [0; 16],
+        ..TileConfig::NONE
     };
     // Each set: the sums, the activations, the weights.
     for set in [0, 3] {
@@ -186,13 +189,7 @@ pub unsafe fn product<const SET: usize>(
 /// [`available`] must have returned `true`.
 #[cfg(all(test, target_arch = "x86_64"))]
 pub(super) unsafe fn loaded_config() -> [u8; 64] {
-    let mut found = TileConfig {
-        palette: 0,
-        start_row: 0,
-        reserved: [0; 14],
-        colsb: [0; 16],
-        rows: [0; 16],
-    };
+    let mut found = TileConfig::NONE;
     asm!("sttilecfg [{0}]", in(reg) &mut found, options(nostack));
     std::mem::transmute::<TileConfig, [u8; 64]>(found)
 }
