@@ -8,13 +8,14 @@
 //!   and says yes only if the CPU has AMX-TILE and AMX-INT8 and the kernel granted it; the
 //!   kernels take the AMX path only after that (through [`Isa::Amx`](super::Isa::Amx)).
 //! * **Registers.** Stable Rust has no AMX intrinsics, so the instructions are inline
-//!   assembly. The compiler neither uses nor saves the tile registers: only this module's
-//!   callers touch them, and each sets them up ([`with_tiles`]) before use and restores what
-//!   it found after. The shapes are
-//!   fixed, in two sets (registers 0–2 and 3–5) so that one block's multiply can run while
-//!   the other set's is stored: the 32-bit sums (`rows` × 16 columns), the activations
-//!   (`rows` × 32 bytes, one 32-value block of each row; 16 for Q6_K's 16-value scales) and
-//!   the weights (8 rows of four bytes × 16 columns, or 4: one block of 16 weight rows).
+//!   assembly. The compiler neither uses nor saves the tile registers; the kernels set them
+//!   up ([`with_tiles`]) for each run of products and load back what they found after, since
+//!   other AMX code in the process (candle's) may keep its own configuration loaded.
+//! * **Shapes.** Two sets of three registers (0–2 and 3–5), so that one block's multiply can
+//!   run while the other set's sums are stored: the 32-bit sums (`rows` × 16 columns), the
+//!   activations (`rows` × 32 bytes, one 32-value block of each row; 16 for Q6_K's 16-value
+//!   scales) and the weights (8 rows of four bytes × 16 columns, or 4: one block of 16 weight
+//!   rows).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::asm;
@@ -101,9 +102,9 @@ impl TileConfig {
 /// Runs `f` with this thread's tiles configured for `rows` activation rows (1 to
 /// [`TILE_ROWS`]) and products `depth` bytes deep (4 to 64, a multiple of 4: the activation
 /// tile's bytes a row, the weight tile's rows times 4), then loads back the configuration it
-/// found. Other AMX code in the process
-/// may configure a thread's tiles once and count on it (candle's quantized matmul does):
-/// leaving ours loaded made its next tile load fault.
+/// found (also if `f` panics). Other AMX code in the process may configure a thread's tiles
+/// once and count on it (candle's quantized matmul does): leaving ours loaded made its next
+/// tile load fault.
 ///
 /// # Safety
 /// [`available`] must have returned `true`.
@@ -134,17 +135,23 @@ pub unsafe fn with_tiles<R>(rows: usize, depth: usize, f: impl FnOnce() -> R) ->
             config.rows[tile] = height as u8;
         }
     }
+    /// Loads the configuration found back when dropped.
+    struct Restore(TileConfig);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: the configuration `sttilecfg` stored in this thread, valid to load.
+            unsafe { asm!("ldtilecfg [{0}]", in(reg) &self.0, options(nostack, readonly)) };
+        }
+    }
+    let _restore = Restore(found);
     asm!("ldtilecfg [{0}]", in(reg) &config, options(nostack, readonly));
-    let out = f();
-    asm!("ldtilecfg [{0}]", in(reg) &found, options(nostack, readonly));
-    out
+    f()
 }
 
 /// One block's product with register set `SET` (0 or 1): loads the activation tile (`rows`
 /// rows of `depth` bytes, row `r` at `a + r · stride`) and the weight tile (its first
-/// `depth / 4` rows of `b`), multiplies them
-/// (signed activations × unsigned weights, or signed ones if `signed`) and stores the 32-bit
-/// sums, row `r` to `out[r]`.
+/// `depth / 4` rows of `b`), multiplies them (signed activations × unsigned weights, or signed
+/// ones if `signed`) and stores the 32-bit sums, row `r` to `out[r]`.
 ///
 /// # Safety
 /// It runs inside [`with_tiles`] for `rows` rows and some `depth`; the activation rows lie in

@@ -4,7 +4,8 @@
 //! through a 1 KB store, and each activation row's 16 sums then take the AVX2 tile's float
 //! arithmetic with 512-bit registers, so the product equals the VNNI kernels' bit for bit.
 //! Each block needs its own float step (its own scales), which bounds the tile unit to one
-//! 32-byte-deep multiply a block rather than its 64.
+//! 32-byte-deep multiply a block rather than its 64. The K-quants' tiles (in `q4k` and `q6k`,
+//! next to their layouts) share this module's helpers.
 
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
@@ -50,7 +51,7 @@ pub(super) unsafe fn halves(pair: [&[half::f16; ROWS]; 2]) -> __m512 {
 /// Blocks whose weight tiles are unpacked, then multiplied, then scaled as three passes: a
 /// tile load waits for the stores it reads to complete, and the vector loads for the tile
 /// store they read, so a block done start to end idles through both.
-pub(super) const STRETCH: usize = 8;
+const STRETCH: usize = 8;
 
 /// `sums[r][c]` for `r < rows` = activation row `r` (`kb` blocks from `acts[r · kb]`) · weight
 /// row `c` of the pair `w` (`w[0]`'s eight rows, then `w[1]`'s).

@@ -318,10 +318,10 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
 }
 
 impl<P: Interleaved> PackedMatrix<P> {
-    /// Spreads the groups over the pool in work items of `per_item` consecutive groups and
-    /// calls `f(items, rows)` for every slice of items and tile of the `m` activation rows
-    /// (`for_each_slice_tile`), the slice's first weights requested as it starts.
-    /// The last item may hold fewer groups; row tiles are at most `max_rows` high.
+    /// Spreads the groups over the pool in work items of `per_item` consecutive groups (the
+    /// last may hold fewer) and calls `f(items, rows)` for every slice of items and tile of at
+    /// most `max_rows` of the `m` activation rows (`for_each_slice_tile`), the slice's first
+    /// weights requested as it starts.
     fn for_each_tile(
         &self,
         per_item: usize,
