@@ -37,6 +37,33 @@ pub(super) unsafe fn nibble_rows(qs: [&[u8; 128]; 2]) -> [__m512i; 8] {
     rows
 }
 
+/// `sumi[r] += sums[r] · scales`, lane by lane in 32 bits, for `r < rows`: a K-quant
+/// sub-block's products times its integer scales.
+#[inline(always)]
+pub(super) unsafe fn add_scaled(
+    sumi: &mut [__m512i; TILE_ROWS],
+    sums: &[[i32; TILE_COLS]; TILE_ROWS],
+    scales: __m512i,
+    rows: usize,
+) {
+    for_rows!(rows, |r| {
+        let dots = _mm512_load_si512(sums[r].as_ptr() as *const __m512i);
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(dots, scales));
+    });
+}
+
+/// Writes the first `rows` accumulators to `sums`.
+#[inline(always)]
+pub(super) unsafe fn store_rows(
+    acc: &[__m512; TILE_ROWS],
+    rows: usize,
+    sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
+) {
+    for (s, a) in sums.iter_mut().zip(acc).take(rows) {
+        _mm512_storeu_ps(s.as_mut_ptr(), *a);
+    }
+}
+
 /// 64-byte aligned.
 #[repr(C, align(64))]
 pub(super) struct Aligned<T>(pub(super) T);
@@ -67,8 +94,6 @@ pub(super) unsafe fn pair_tile<S: SimpleX8>(
     rows: usize,
     sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
 ) {
-    debug_assert!((1..=TILE_ROWS).contains(&rows) && acts.len() == rows * kb);
-    debug_assert!(w[0].len() == kb && w[1].len() == kb);
     // Written before they are read, block by block (zeroing 12 KB a call cost as much as a
     // block's multiply).
     let mut b = MaybeUninit::<Aligned<[[[u8; 64]; 8]; STRETCH]>>::uninit();
@@ -119,7 +144,5 @@ pub(super) unsafe fn pair_tile<S: SimpleX8>(
             });
         }
     }
-    for (s, a) in sums.iter_mut().zip(acc).take(rows) {
-        _mm512_storeu_ps(s.as_mut_ptr(), a);
-    }
+    store_rows(&acc, rows, sums);
 }

@@ -114,6 +114,25 @@ macro_rules! for_rows {
     };
 }
 
+/// A format's AMX path in its [`Interleaved`] impl: `AMX`, and `amx_pair` calling `$tile`
+/// (same arguments).
+macro_rules! amx_pair {
+    ($tile:path) => {
+        const AMX: bool = true;
+
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn amx_pair(
+            w: [&[Self]; 2],
+            acts: &[crate::kernels::qmatmul::x8::Act<Self>],
+            kb: usize,
+            rows: usize,
+            sums: &mut [[f32; 16]; 16],
+        ) {
+            $tile(w, acts, kb, rows, sums)
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod q4k;
@@ -372,6 +391,8 @@ impl<P: Interleaved> PackedMatrix<P> {
         let group = |g: usize| &self.blocks[g * kb..(g + 1) * kb];
         self.for_each_tile(2, m, AMX_TILE, |pairs, r| {
             let mut sums = [[0f32; AMX_TILE]; AMX_TILE];
+            // The kernels take the tile's rows unchecked.
+            assert!((1..=AMX_TILE).contains(&r.len()) && r.end * kb <= acts.len());
             let a = &acts[r.start * kb..r.end * kb];
             // SAFETY: as the caller promised; `a` holds the tile's rows.
             unsafe {

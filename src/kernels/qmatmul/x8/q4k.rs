@@ -102,18 +102,7 @@ impl Interleaved for BlockQ4Kx8 {
         dispatch_rows!(tile, isa, w, acts, kb, sums, [4, 3, 2, 1])
     }
 
-    const AMX: bool = true;
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn amx_pair(
-        w: [&[Self]; 2],
-        acts: &[ActBlockK],
-        kb: usize,
-        rows: usize,
-        sums: &mut [[f32; 16]; 16],
-    ) {
-        amx::pair_tile(w, acts, kb, rows, sums)
-    }
+    amx_pair!(amx::pair_tile);
 }
 
 /// Q4_K through AMX tiles (see `x8::amx`): a super-block's eight sub-blocks are a stretch,
@@ -125,7 +114,7 @@ mod amx {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
-    use super::super::amx::{halves, join, Aligned};
+    use super::super::amx::{add_scaled, halves, join, store_rows, Aligned};
     use super::super::prefetch_line;
     use super::{ActBlockK, BlockQ4Kx8};
     use crate::kernels::qmatmul::amx::{self as tiles, TILE_COLS, TILE_ROWS};
@@ -142,8 +131,6 @@ mod amx {
         rows: usize,
         sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
     ) {
-        debug_assert!((1..=TILE_ROWS).contains(&rows) && acts.len() == rows * kb);
-        debug_assert!(w[0].len() == kb && w[1].len() == kb);
         // Written before they are read, sub-block by sub-block.
         let mut b = MaybeUninit::<Aligned<[[[u8; 64]; 8]; 8]>>::uninit();
         let b = &mut (*b.as_mut_ptr()).0;
@@ -191,11 +178,7 @@ mod amx {
             let mut sumi = [_mm512_setzero_si512(); TILE_ROWS];
             for (j, c) in c.iter().enumerate() {
                 let scales = pair.map(|block| block.scales.as_ptr().add(8 * j));
-                let scales = _mm512_cvtepu8_epi32(bytes8(scales));
-                for_rows!(rows, |r| {
-                    let dots = _mm512_load_si512(c[r].as_ptr() as *const __m512i);
-                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(dots, scales));
-                });
+                add_scaled(&mut sumi, c, _mm512_cvtepu8_epi32(bytes8(scales)), rows);
             }
             let d = halves([&pair[0].d, &pair[1].d]);
             let dmin = halves([&pair[0].dmin, &pair[1].dmin]);
@@ -220,9 +203,7 @@ mod amx {
                 acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, ad), v);
             });
         }
-        for (s, a) in sums.iter_mut().zip(acc).take(rows) {
-            _mm512_storeu_ps(s.as_mut_ptr(), a);
-        }
+        store_rows(&acc, rows, sums);
     }
 }
 

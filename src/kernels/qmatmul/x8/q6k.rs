@@ -119,20 +119,9 @@ impl Interleaved for BlockQ6Kx8 {
         dispatch_rows!(tile, isa, w, acts, kb, sums, [8, 7, 6, 5, 4, 3, 2, 1])
     }
 
-    const AMX: bool = true;
     /// A scale covers 16 values.
     const AMX_DEPTH: usize = 16;
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn amx_pair(
-        w: [&[Self]; 2],
-        acts: &[ActBlockK],
-        kb: usize,
-        rows: usize,
-        sums: &mut [[f32; 16]; 16],
-    ) {
-        amx::pair_tile(w, acts, kb, rows, sums)
-    }
+    amx_pair!(amx::pair_tile);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -276,7 +265,7 @@ mod amx {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
-    use super::super::amx::{halves, Aligned};
+    use super::super::amx::{add_scaled, halves, store_rows, Aligned};
     use super::super::prefetch_line;
     use super::avx2::values;
     use super::{ActBlockK, BlockQ6Kx8};
@@ -294,8 +283,6 @@ mod amx {
         rows: usize,
         sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
     ) {
-        debug_assert!((1..=TILE_ROWS).contains(&rows) && acts.len() == rows * kb);
-        debug_assert!(w[0].len() == kb && w[1].len() == kb);
         // Written before they are read: row `g` of sub-block `sub`'s tile holds values
         // `4g..4g + 4`; the 16-value halves are its rows 0–3 and 4–7.
         let mut b = MaybeUninit::<Aligned<[[[u8; 64]; 8]; 8]>>::uninit();
@@ -333,10 +320,7 @@ mod amx {
                     std::ptr::read_unaligned(block.scales.as_ptr().add(8 * s) as *const i64)
                 };
                 let scales = _mm512_cvtepi8_epi32(_mm_set_epi64x(scale(pair[1]), scale(pair[0])));
-                for_rows!(rows, |r| {
-                    let dots = _mm512_load_si512(c[r].as_ptr() as *const __m512i);
-                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(dots, scales));
-                });
+                add_scaled(&mut sumi, c, scales, rows);
             }
             // The -32 of every value: Σ_s scale_s · 32 · bsum_s, two scales per `madd` (lane
             // `i` holds scales `2p` and `2p + 1` of its row as a pair of 16-bit values).
@@ -360,8 +344,6 @@ mod amx {
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), dv, acc[r]);
             });
         }
-        for (s, a) in sums.iter_mut().zip(acc).take(rows) {
-            _mm512_storeu_ps(s.as_mut_ptr(), a);
-        }
+        store_rows(&acc, rows, sums);
     }
 }

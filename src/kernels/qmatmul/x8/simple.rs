@@ -120,18 +120,7 @@ impl<S: SimpleX8> Interleaved for S {
         dispatch_rows!(tile<S>, isa, w, acts, kb, sums, [4, 3, 2, 1])
     }
 
-    const AMX: bool = true;
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn amx_pair(
-        w: [&[Self]; 2],
-        acts: &[ActBlock],
-        kb: usize,
-        rows: usize,
-        sums: &mut [[f32; 16]; 16],
-    ) {
-        super::amx::pair_tile(w, acts, kb, rows, sums)
-    }
+    amx_pair!(super::amx::pair_tile);
 }
 
 /// Eight Q4_0 blocks: values `0..15`, less 8.
