@@ -8,7 +8,7 @@
 //! next to their layouts) share this module's helpers.
 
 use std::arch::x86_64::*;
-use std::mem::MaybeUninit;
+use std::cell::UnsafeCell;
 
 use super::simple::SimpleX8;
 use super::{prefetch_line, ROWS};
@@ -64,9 +64,33 @@ pub(super) unsafe fn store_rows(
     }
 }
 
-/// 64-byte aligned.
+/// A pair tile's working memory: the weight tiles of up to eight blocks (`b`) and the sums of
+/// up to 16 products (`c`). One per thread, zeroed once (zeroing it every call cost as much as
+/// a block's multiply).
 #[repr(C, align(64))]
-pub(super) struct Aligned<T>(pub(super) T);
+pub(super) struct Scratch {
+    pub(super) b: [[[u8; 64]; 8]; 8],
+    pub(super) c: [[[i32; TILE_COLS]; TILE_ROWS]; 16],
+}
+
+thread_local! {
+    static SCRATCH: UnsafeCell<Scratch> = const {
+        UnsafeCell::new(Scratch {
+            b: [[[0; 64]; 8]; 8],
+            c: [[[0; TILE_COLS]; TILE_ROWS]; 16],
+        })
+    };
+}
+
+/// This thread's [`Scratch`].
+///
+/// # Safety
+/// The reference must be gone before the thread asks again: a pair tile takes it once and
+/// calls no other.
+#[inline(always)]
+pub(super) unsafe fn scratch() -> &'static mut Scratch {
+    &mut *SCRATCH.with(|s| s.get())
+}
 
 /// 16 f16 values, eight from each of `pair`, as f32.
 #[inline(always)]
@@ -94,12 +118,7 @@ pub(super) unsafe fn pair_tile<S: SimpleX8>(
     rows: usize,
     sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
 ) {
-    // Written before they are read, block by block (zeroing 12 KB a call cost as much as a
-    // block's multiply).
-    let mut b = MaybeUninit::<Aligned<[[[u8; 64]; 8]; STRETCH]>>::uninit();
-    let b = &mut (*b.as_mut_ptr()).0;
-    let mut c = MaybeUninit::<Aligned<[[[i32; TILE_COLS]; TILE_ROWS]; STRETCH]>>::uninit();
-    let c = &mut (*c.as_mut_ptr()).0;
+    let Scratch { b, c } = scratch();
     let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
     let stride = kb * std::mem::size_of::<ActBlock>();
     let lines = std::mem::size_of::<S>().div_ceil(64);

@@ -112,9 +112,8 @@ impl Interleaved for BlockQ4Kx8 {
 #[cfg(target_arch = "x86_64")]
 mod amx {
     use std::arch::x86_64::*;
-    use std::mem::MaybeUninit;
 
-    use super::super::amx::{add_scaled, halves, join, store_rows, Aligned};
+    use super::super::amx::{add_scaled, halves, join, scratch, store_rows, Scratch};
     use super::super::prefetch_line;
     use super::{ActBlockK, BlockQ4Kx8};
     use crate::kernels::qmatmul::amx::{self as tiles, TILE_COLS, TILE_ROWS};
@@ -131,11 +130,7 @@ mod amx {
         rows: usize,
         sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
     ) {
-        // Written before they are read, sub-block by sub-block.
-        let mut b = MaybeUninit::<Aligned<[[[u8; 64]; 8]; 8]>>::uninit();
-        let b = &mut (*b.as_mut_ptr()).0;
-        let mut c = MaybeUninit::<Aligned<[[[i32; TILE_COLS]; TILE_ROWS]; 8]>>::uninit();
-        let c = &mut (*c.as_mut_ptr()).0;
+        let Scratch { b, c } = scratch();
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         let stride = kb * std::mem::size_of::<ActBlockK>();
         let m4 = _mm512_set1_epi8(0x0F);
@@ -176,7 +171,7 @@ mod amx {
                 }
             }
             let mut sumi = [_mm512_setzero_si512(); TILE_ROWS];
-            for (j, c) in c.iter().enumerate() {
+            for (j, c) in c[..8].iter().enumerate() {
                 let scales = pair.map(|block| block.scales.as_ptr().add(8 * j));
                 add_scaled(&mut sumi, c, _mm512_cvtepu8_epi32(bytes8(scales)), rows);
             }

@@ -263,9 +263,8 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod amx {
     use std::arch::x86_64::*;
-    use std::mem::MaybeUninit;
 
-    use super::super::amx::{add_scaled, halves, store_rows, Aligned};
+    use super::super::amx::{add_scaled, halves, scratch, store_rows, Scratch};
     use super::super::prefetch_line;
     use super::avx2::values;
     use super::{ActBlockK, BlockQ6Kx8};
@@ -283,12 +282,9 @@ mod amx {
         rows: usize,
         sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
     ) {
-        // Written before they are read: row `g` of sub-block `sub`'s tile holds values
-        // `4g..4g + 4`; the 16-value halves are its rows 0–3 and 4–7.
-        let mut b = MaybeUninit::<Aligned<[[[u8; 64]; 8]; 8]>>::uninit();
-        let b = &mut (*b.as_mut_ptr()).0;
-        let mut c = MaybeUninit::<Aligned<[[[i32; TILE_COLS]; TILE_ROWS]; 16]>>::uninit();
-        let c = &mut (*c.as_mut_ptr()).0;
+        // Row `g` of sub-block `sub`'s weight tile holds values `4g..4g + 4`; the 16-value
+        // halves are its rows 0–3 and 4–7.
+        let Scratch { b, c } = scratch();
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         let stride = kb * std::mem::size_of::<ActBlockK>();
         let lines = std::mem::size_of::<BlockQ6Kx8>().div_ceil(64);
