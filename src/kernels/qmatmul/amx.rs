@@ -148,7 +148,8 @@ pub unsafe fn with_tiles<R>(rows: usize, depth: usize, f: impl FnOnce() -> R) ->
     f()
 }
 
-/// One block's product with register set `SET` (0 or 1): loads the activation tile (`rows`
+/// One block's product with register set `set % 2` (sets alternate so that one block's
+/// multiply can run while the other's sums are stored): loads the activation tile (`rows`
 /// rows of `depth` bytes, row `r` at `a + r · stride`) and the weight tile (its first
 /// `depth / 4` rows of `b`), multiplies them (signed activations × unsigned weights, or signed
 /// ones if `signed`) and stores the 32-bit sums, row `r` to `out[r]`.
@@ -158,7 +159,8 @@ pub unsafe fn with_tiles<R>(rows: usize, depth: usize, f: impl FnOnce() -> R) ->
 /// readable memory, and `b` points to `depth / 4` rows.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub unsafe fn product<const SET: usize>(
+pub unsafe fn product(
+    set: usize,
     a: *const i8,
     stride: usize,
     b: *const [u8; 64],
@@ -182,7 +184,7 @@ pub unsafe fn product<const SET: usize>(
             )
         };
     }
-    match (SET, signed) {
+    match (set % 2, signed) {
         (0, false) => product!("tmm0", "tmm1", "tmm2", "tdpbsud"),
         (0, true) => product!("tmm0", "tmm1", "tmm2", "tdpbssd"),
         (_, false) => product!("tmm3", "tmm4", "tmm5", "tdpbsud"),

@@ -11,7 +11,9 @@ use std::arch::x86_64::*;
 use std::cell::UnsafeCell;
 
 use super::simple::SimpleX8;
-use super::{prefetch_line, ROWS};
+use std::ops::Range;
+
+use super::{prefetch_line, Interleaved, ROWS};
 use crate::kernels::qmatmul::amx::{self, TILE_COLS, TILE_ROWS};
 use crate::kernels::qmatmul::ActBlock;
 
@@ -35,6 +37,23 @@ pub(super) unsafe fn nibble_rows(qs: [&[u8; 128]; 2]) -> [__m512i; 8] {
         rows[g + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
     }
     rows
+}
+
+/// Eight bytes from `a`, then eight from `b` (a K-quant field of eight bytes a sub-block, one
+/// byte per weight row, of the two groups of a pair).
+#[inline(always)]
+pub(super) unsafe fn bytes8(a: *const u8, b: *const u8) -> __m128i {
+    let half = |p: *const u8| std::ptr::read_unaligned(p as *const i64);
+    _mm_set_epi64x(half(b), half(a))
+}
+
+/// Requests lines `lines` (counted as [`prefetch_line`] counts) of both blocks of a pair.
+#[inline(always)]
+pub(super) unsafe fn prefetch_pair<P: Interleaved>(pair: [&P; 2], lines: Range<usize>) {
+    for line in lines {
+        prefetch_line(pair[0], line);
+        prefetch_line(pair[1], line);
+    }
 }
 
 /// `sumi[r] += sums[r] · scales`, lane by lane in 32 bits, for `r < rows`: a K-quant
@@ -126,20 +145,14 @@ pub(super) unsafe fn pair_tile<S: SimpleX8>(
         let n = STRETCH.min(kb - k0);
         for (j, b) in b.iter_mut().enumerate().take(n) {
             let pair = [w[0].get_unchecked(k0 + j), w[1].get_unchecked(k0 + j)];
-            for line in 0..lines {
-                prefetch_line(pair[0], line);
-                prefetch_line(pair[1], line);
-            }
+            prefetch_pair(pair, 0..lines);
             for (row, v) in b.iter_mut().zip(S::amx_rows(pair)) {
                 _mm512_store_si512(row.as_mut_ptr() as *mut __m512i, v);
             }
         }
-        for j in 0..n {
+        for (j, (b, c)) in b.iter().zip(c.iter_mut()).enumerate().take(n) {
             let a = acts.get_unchecked(k0 + j).qs.as_ptr();
-            match j % 2 {
-                0 => amx::product::<0>(a, stride, b[j].as_ptr(), S::SIGNED, &mut c[j]),
-                _ => amx::product::<1>(a, stride, b[j].as_ptr(), S::SIGNED, &mut c[j]),
-            }
+            amx::product(j, a, stride, b.as_ptr(), S::SIGNED, c);
         }
         for (j, c) in c.iter().enumerate().take(n) {
             let k = k0 + j;

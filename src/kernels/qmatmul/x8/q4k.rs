@@ -113,8 +113,9 @@ impl Interleaved for BlockQ4Kx8 {
 mod amx {
     use std::arch::x86_64::*;
 
-    use super::super::amx::{add_scaled, halves, join, scratch, store_rows, Scratch};
-    use super::super::prefetch_line;
+    use super::super::amx::{
+        add_scaled, bytes8, halves, join, prefetch_pair, scratch, store_rows, Scratch,
+    };
     use super::{ActBlockK, BlockQ4Kx8};
     use crate::kernels::qmatmul::amx::{self as tiles, TILE_COLS, TILE_ROWS};
 
@@ -135,20 +136,12 @@ mod amx {
         let stride = kb * std::mem::size_of::<ActBlockK>();
         let m4 = _mm512_set1_epi8(0x0F);
         let lines = std::mem::size_of::<BlockQ4Kx8>().div_ceil(64);
-        // Eight bytes from each of the two addresses.
-        let bytes8 = |f: [*const u8; 2]| {
-            let half = |p: *const u8| std::ptr::read_unaligned(p as *const i64);
-            _mm_set_epi64x(half(f[1]), half(f[0]))
-        };
         for k in 0..kb {
             let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
             // Chunk `8p + g` of each group's values: its low nibbles are values `4g..4g + 4`
             // of sub-block `2p`, its high ones of sub-block `2p + 1`.
             for p in 0..4 {
-                for line in p * lines / 4..(p + 1) * lines / 4 {
-                    prefetch_line(pair[0], line);
-                    prefetch_line(pair[1], line);
-                }
+                prefetch_pair(pair, p * lines / 4..(p + 1) * lines / 4);
                 let (lo, hi) = b[2 * p..2 * p + 2].split_at_mut(1);
                 for (g, (lo, hi)) in lo[0].iter_mut().zip(hi[0].iter_mut()).enumerate() {
                     let at = (p * 8 + g) * 32;
@@ -160,20 +153,13 @@ mod amx {
                 }
             }
             let a = acts.get_unchecked(k).qs.as_ptr();
-            for j in 0..8 {
-                match j % 2 {
-                    0 => {
-                        tiles::product::<0>(a.add(32 * j), stride, b[j].as_ptr(), false, &mut c[j])
-                    }
-                    _ => {
-                        tiles::product::<1>(a.add(32 * j), stride, b[j].as_ptr(), false, &mut c[j])
-                    }
-                }
+            for (j, (b, c)) in b.iter().zip(c.iter_mut()).enumerate() {
+                tiles::product(j, a.add(32 * j), stride, b.as_ptr(), false, c);
             }
             let mut sumi = [_mm512_setzero_si512(); TILE_ROWS];
             for (j, c) in c[..8].iter().enumerate() {
-                let scales = pair.map(|block| block.scales.as_ptr().add(8 * j));
-                add_scaled(&mut sumi, c, _mm512_cvtepu8_epi32(bytes8(scales)), rows);
+                let [s0, s1] = pair.map(|block| block.scales.as_ptr().add(8 * j));
+                add_scaled(&mut sumi, c, _mm512_cvtepu8_epi32(bytes8(s0, s1)), rows);
             }
             let d = halves([&pair[0].d, &pair[1].d]);
             let dmin = halves([&pair[0].dmin, &pair[1].dmin]);

@@ -264,8 +264,9 @@ mod avx2 {
 mod amx {
     use std::arch::x86_64::*;
 
-    use super::super::amx::{add_scaled, halves, scratch, store_rows, Scratch};
-    use super::super::prefetch_line;
+    use super::super::amx::{
+        add_scaled, bytes8, halves, prefetch_pair, scratch, store_rows, Scratch,
+    };
     use super::avx2::values;
     use super::{ActBlockK, BlockQ6Kx8};
     use crate::kernels::qmatmul::amx::{self as tiles, TILE_COLS, TILE_ROWS};
@@ -291,10 +292,7 @@ mod amx {
         for k in 0..kb {
             let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
             for (sub, tile) in b.iter_mut().enumerate() {
-                for line in sub * lines / 8..(sub + 1) * lines / 8 {
-                    prefetch_line(pair[0], line);
-                    prefetch_line(pair[1], line);
-                }
+                prefetch_pair(pair, sub * lines / 8..(sub + 1) * lines / 8);
                 let (n, q) = (sub / 4, sub % 4);
                 for (g, row) in tile.iter_mut().enumerate() {
                     let low = _mm512_castsi256_si512(values(pair[0], n, q, g));
@@ -303,20 +301,14 @@ mod amx {
                 }
             }
             let a = acts.get_unchecked(k).qs.as_ptr();
-            for s in 0..16 {
-                let (x, half) = (a.add(16 * s), b[s / 2].as_ptr().add(4 * (s % 2)));
-                match s % 2 {
-                    0 => tiles::product::<0>(x, stride, half, false, &mut c[s]),
-                    _ => tiles::product::<1>(x, stride, half, false, &mut c[s]),
-                }
+            for (s, c) in c.iter_mut().enumerate() {
+                let half = b[s / 2].as_ptr().add(4 * (s % 2));
+                tiles::product(s, a.add(16 * s), stride, half, false, c);
             }
             let mut sumi = [_mm512_setzero_si512(); TILE_ROWS];
             for (s, c) in c.iter().enumerate() {
-                let scale = |block: &BlockQ6Kx8| {
-                    std::ptr::read_unaligned(block.scales.as_ptr().add(8 * s) as *const i64)
-                };
-                let scales = _mm512_cvtepi8_epi32(_mm_set_epi64x(scale(pair[1]), scale(pair[0])));
-                add_scaled(&mut sumi, c, scales, rows);
+                let [s0, s1] = pair.map(|block| block.scales.as_ptr().add(8 * s) as *const u8);
+                add_scaled(&mut sumi, c, _mm512_cvtepi8_epi32(bytes8(s0, s1)), rows);
             }
             // The -32 of every value: Σ_s scale_s · 32 · bsum_s, two scales per `madd` (lane
             // `i` holds scales `2p` and `2p + 1` of its row as a pair of 16-bit values).
