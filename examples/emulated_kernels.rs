@@ -33,6 +33,9 @@ pub struct Case {
     pool: Arc<ComputePool>,
     /// The portable path's result, computed natively.
     want: Vec<f32>,
+    /// For the interleaved kernels, the AVX2 path's result computed natively (where this CPU
+    /// has AVX2): every SIMD path must give its bits exactly.
+    bits: Option<Vec<f32>>,
     /// What the run under test wrote (NaN until then).
     got: Vec<f32>,
 }
@@ -97,11 +100,18 @@ pub extern "C" fn emu_prepare(i: usize) -> *mut Case {
         _ => unreachable!(),
     };
     let (kernel, want, cols) = case;
-    let layout = if rows.is_multiple_of(8) {
+    let interleaved = rows.is_multiple_of(8);
+    let layout = if interleaved {
         "interleaved"
     } else {
         "row-major"
     };
+    let bits = (interleaved && Isa::Avx2.is_available()).then(|| {
+        let mut out = vec![f32::NAN; want.len()];
+        // SAFETY: this CPU has AVX2; `out` holds `m` rows.
+        unsafe { kernel.run(Isa::Avx2, m, &mut out) };
+        out
+    });
     Box::into_raw(Box::new(Case {
         name: format!("{format} {layout} {rows}x{cols} batch {m} {isa:?}"),
         isa,
@@ -110,6 +120,7 @@ pub extern "C" fn emu_prepare(i: usize) -> *mut Case {
         pool: ComputePool::new(1, "emulated"),
         got: vec![f32::NAN; want.len()],
         want,
+        bits,
     }))
 }
 
@@ -178,7 +189,8 @@ pub unsafe extern "C" fn emu_run_native(case: *mut Case) -> bool {
 }
 
 /// Writes the case's name and verdict (a NUL-terminated line) to `msg`; true when the result
-/// matches the portable path within rounding of the float sums.
+/// matches the portable path within rounding of the float sums and, for the interleaved
+/// kernels, the native AVX2 path bit for bit.
 ///
 /// # Safety
 /// `case` as in [`emu_run`]; `msg` points to `len` writable bytes.
@@ -198,11 +210,21 @@ pub unsafe extern "C" fn emu_check(case: *const Case, msg: *mut u8, len: usize) 
             }
         })
         .fold(0f32, f32::max);
-    let ok = worst <= 1e-5 * scale;
+    let close = worst <= 1e-5 * scale;
+    let same_bits = case.bits.as_ref().is_none_or(|bits| {
+        bits.iter()
+            .zip(&case.got)
+            .all(|(b, g)| b.to_bits() == g.to_bits())
+    });
+    let ok = close && same_bits;
+    let verdict = match (close, same_bits) {
+        (true, true) => "ok",
+        (true, false) => "BITS DIFFER from the native AVX2 path",
+        (false, _) => "MISMATCH",
+    };
     let line = format!(
-        "{}: {} (largest difference {worst:e}, largest value {scale:e})",
-        case.name,
-        if ok { "ok" } else { "MISMATCH" }
+        "{}: {verdict} (largest difference {worst:e}, largest value {scale:e})",
+        case.name
     );
     // At most `len - 1` bytes and the terminating NUL.
     let bytes = &line.as_bytes()[..line.len().min(len.saturating_sub(1))];

@@ -166,6 +166,9 @@ fn main() {
         stream::<BlockQ6K>(GgmlDType::Q6K, 8960, 1536);
         stream::<BlockQ4K>(GgmlDType::Q4K, 1536, 8960);
         stream::<BlockQ6K>(GgmlDType::Q6K, 1536, 8960);
+        // Its attention matrices: q/k/v together, and o.
+        stream::<BlockQ4K>(GgmlDType::Q4K, 2048, 1536);
+        stream::<BlockQ4K>(GgmlDType::Q4K, 1536, 1536);
         stream::<BlockQ5_0>(GgmlDType::Q5_0, 4864, 896);
         stream::<BlockQ8_0>(GgmlDType::Q8_0, 4864, 896);
         stream::<BlockQ8_0>(GgmlDType::Q8_0, 151936, 896);

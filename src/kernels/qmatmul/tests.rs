@@ -436,6 +436,68 @@ fn check_amx<P: Interleaved>() {
     }
 }
 
+/// A row's product is the same bits with every SIMD instruction set and wherever it sits in a
+/// batch, plain and gated: the integer sums are exact and the float steps the same operations
+/// in the same order, in the 256-bit tiles, the 512-bit one-row kernels and the AMX tiles
+/// alike. So a sequence decodes the same alone or batched, and on any of these paths.
+fn check_row_bits<P: Interleaved>() {
+    if !Isa::Avx2.is_available() {
+        eprintln!("no SIMD path here: nothing to compare");
+        return;
+    }
+    let name = <P::Source as WeightBlock>::NAME;
+    let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    for (rows, blocks, batch) in [(8, 1, 9), (24, 3, 5), (16, 28, 6), (40, 5, 17)] {
+        let cols = blocks * len;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((rows * 7 + cols + batch) as u64);
+        let gate = random_blocks::<P::Source>(rows * blocks, &mut rng);
+        let up = random_blocks::<P::Source>(rows * blocks, &mut rng);
+        let x: Vec<f32> = (0..batch * cols)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        let plain = PackedMatrix::<P>::from_bytes(rows, cols, &gate).unwrap();
+        let gated = GatedPacked::<P>::from_bytes(rows, cols, &gate, &up).unwrap();
+        for kernel in [&plain as &dyn QuantKernel<Act = _>, &gated] {
+            let n = kernel.rows();
+            let alone = |isa: Isa| -> Vec<f32> {
+                let mut out = vec![f32::NAN; batch * n];
+                for (x, out) in x.chunks_exact(cols).zip(out.chunks_exact_mut(n)) {
+                    kernel.matmul_with(isa, x, out);
+                }
+                out
+            };
+            let want = alone(Isa::Avx2);
+            for isa in Isa::available()
+                .into_iter()
+                .filter(|&isa| isa != Isa::Scalar)
+            {
+                let mut batched = vec![f32::NAN; batch * n];
+                kernel.matmul_with(isa, &x, &mut batched);
+                let shape = format!("{name} {rows}x{cols} b{batch} {isa:?}");
+                assert!(
+                    same(&alone(isa), &want),
+                    "{shape}: rows alone differ from AVX2's"
+                );
+                assert!(
+                    same(&batched, &want),
+                    "{shape}: the batch differs from AVX2's rows"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_row_is_the_same_bits_alone_batched_and_on_every_simd_path() {
+    check_row_bits::<BlockQ4_0x8>();
+    check_row_bits::<BlockQ4_1x8>();
+    check_row_bits::<BlockQ5_0x8>();
+    check_row_bits::<BlockQ8_0x8>();
+    check_row_bits::<BlockQ4Kx8>();
+    check_row_bits::<BlockQ6Kx8>();
+}
+
 /// A tile configuration another library loaded in this thread (candle's quantized matmul
 /// loads its own once a thread) is the one loaded after our AMX kernels ran, and so is none.
 #[cfg(target_arch = "x86_64")]

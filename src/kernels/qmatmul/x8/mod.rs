@@ -138,6 +138,8 @@ mod amx;
 mod q4k;
 mod q6k;
 mod simple;
+#[cfg(target_arch = "x86_64")]
+mod zmm;
 pub use q4k::BlockQ4Kx8;
 pub use q6k::BlockQ6Kx8;
 pub use simple::{BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ8_0x8};
@@ -184,6 +186,20 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
         kb: usize,
         sums: &mut [[f32; ROWS]],
     );
+    /// Whether the format has a one-row path on 512-bit registers
+    /// ([`row_zmm`](Self::row_zmm)).
+    const ROW_ZMM: bool = false;
+    /// `sums[i]` = the activation row `acts` (`kb` blocks) · weight row `i` of the group `w`
+    /// (`kb` blocks), on AVX-512 VNNI's 512-bit registers (see `x8::zmm`): the same bits as
+    /// [`tile_simd`](Self::tile_simd)'s one-row tile.
+    ///
+    /// # Safety
+    /// [`Isa::Avx512Vnni`] must be available and `ROW_ZMM` true.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn row_zmm(w: &[Self], acts: &[Act<Self>], kb: usize, sums: &mut [f32; ROWS]) {
+        let _ = (w, acts, kb, sums);
+        unreachable!("the format has no 512-bit row path")
+    }
     /// Whether the format has an AMX path ([`amx_pair`](Self::amx_pair)).
     const AMX: bool = false;
     /// Bytes deep its AMX products are: the values one set of scales covers.
@@ -542,10 +558,15 @@ fn uses_amx<P: Interleaved>(isa: Isa, m: usize) -> bool {
 
 /// One group's tile with the instruction set `isa`.
 fn tile<P: Interleaved>(w: &[P], acts: &[Act<P>], kb: usize, sums: &mut [[f32; ROWS]], isa: Isa) {
-    // SAFETY: `isa` is one the CPU supports (`Isa::best`, or checked by `matmul_with`).
+    // SAFETY: `isa` is one the CPU supports (`Isa::best`, or checked by `matmul_with`), and
+    // `Isa::Amx` includes AVX-512 VNNI.
     #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Scalar {
-        return unsafe { P::tile_simd(isa, w, acts, kb, sums) };
+    match (isa, &mut *sums) {
+        (Isa::Scalar, _) => {}
+        (Isa::Avx512Vnni | Isa::Amx, [row]) if P::ROW_ZMM => {
+            return unsafe { P::row_zmm(w, acts, kb, row) };
+        }
+        _ => return unsafe { P::tile_simd(isa, w, acts, kb, sums) },
     }
     let _ = isa;
     tile_scalar(w, acts, kb, sums);

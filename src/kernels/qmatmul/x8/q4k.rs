@@ -102,6 +102,13 @@ impl Interleaved for BlockQ4Kx8 {
         dispatch_rows!(tile, isa, w, acts, kb, sums, [4, 3, 2, 1])
     }
 
+    const ROW_ZMM: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn row_zmm(w: &[Self], acts: &[ActBlockK], kb: usize, sums: &mut [f32; ROWS]) {
+        zmm::row(w, acts, kb, sums)
+    }
+
     amx_pair!(amx::pair_tile);
 }
 
@@ -185,6 +192,79 @@ mod amx {
             });
         }
         store_rows(&acc, rows, sums);
+    }
+}
+
+/// Q4_K on 512-bit registers, one activation row (see `x8::zmm`): a register holds two
+/// consecutive 32-byte chunks of a block, whose low nibbles are eight values of sub-block `2p`
+/// and high nibbles eight of `2p + 1`; the two sub-blocks' 64 activation bytes sit in one
+/// register for `vpermd`. The scales apply to both halves at once, the halves are added once a
+/// super-block, and the float step is the 256-bit tile's.
+#[cfg(target_arch = "x86_64")]
+mod zmm {
+    use std::arch::x86_64::*;
+
+    use super::super::prefetch_line;
+    use super::super::zmm::{fold, word_pair};
+    use super::{avx2, ActBlockK, BlockQ4Kx8, ROWS};
+
+    /// As [`Interleaved::row_zmm`](super::Interleaved::row_zmm).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 (F, BW, VL) and AVX-512 VNNI; `w` and `acts` hold `kb`
+    /// super-blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn row(
+        w: &[BlockQ4Kx8],
+        acts: &[ActBlockK],
+        kb: usize,
+        sums: &mut [f32; ROWS],
+    ) {
+        debug_assert!(w.len() == kb && acts.len() == kb);
+        let m4 = _mm512_set1_epi8(0x0F);
+        // Chunks `2s` and `2s + 1` take activation words `2s`, `2s + 1` of sub-block `2p`
+        // (low nibbles) and `8 + 2s`, `9 + 2s` of sub-block `2p + 1` (high).
+        let low: [__m512i; 4] = std::array::from_fn(|s| word_pair(2 * s as i32));
+        let high: [__m512i; 4] = std::array::from_fn(|s| word_pair(8 + 2 * s as i32));
+        let mut acc = [_mm256_setzero_ps()];
+        for b in 0..kb {
+            let block = w.get_unchecked(b);
+            let a = acts.get_unchecked(b);
+            let mut sumi = _mm512_setzero_si512();
+            for p in 0..4 {
+                let x = _mm512_loadu_si512(a.qs.as_ptr().add(64 * p) as *const _);
+                // Per sub-block two sums, so `vpdpbusd`'s latency overlaps.
+                let mut part = [[_mm512_setzero_si512(); 2]; 2];
+                for s in 0..4 {
+                    // A block's 19 lines (as the 256-bit tile counts them): four of `qs` for
+                    // each `p`, one a load, and one of the tail with the first of each but
+                    // the last.
+                    prefetch_line(block, 4 * p + s);
+                    if s == 0 && p < 3 {
+                        prefetch_line(block, 16 + p);
+                    }
+                    let at = block.qs.as_ptr().add((p * 8 + 2 * s) * 32);
+                    let bits = _mm512_loadu_si512(at as *const _);
+                    let lo = _mm512_and_si512(bits, m4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bits), m4);
+                    let (xl, xh) = (
+                        _mm512_permutexvar_epi32(low[s], x),
+                        _mm512_permutexvar_epi32(high[s], x),
+                    );
+                    part[0][s % 2] = _mm512_dpbusd_epi32(part[0][s % 2], lo, xl);
+                    part[1][s % 2] = _mm512_dpbusd_epi32(part[1][s % 2], hi, xh);
+                }
+                for (h, part) in part.iter().enumerate() {
+                    // Sub-block `2p + h`'s eight scales, for both halves.
+                    let at = block.scales.as_ptr().add(8 * (2 * p + h)) as *const f64;
+                    let scales = _mm512_cvtepu8_epi32(_mm_castpd_si128(_mm_loaddup_pd(at)));
+                    let dots = _mm512_add_epi32(part[0], part[1]);
+                    sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(dots, scales));
+                }
+            }
+            avx2::finish(block, &[a], &[fold(sumi)], &mut acc);
+        }
+        _mm256_storeu_ps(sums.as_mut_ptr(), acc[0]);
     }
 }
 
@@ -278,27 +358,43 @@ mod avx2 {
                     }
                 }
             }
-            let d = _mm256_cvtph_ps(_mm_load_si128(block.d.as_ptr() as *const __m128i));
-            let dmin = _mm256_cvtph_ps(_mm_load_si128(block.dmin.as_ptr() as *const __m128i));
-            let mins: [__m256i; 4] = std::array::from_fn(|p| {
-                _mm256_cvtepu8_epi16(_mm_load_si128(
-                    block.mins.as_ptr().add(16 * p) as *const __m128i
-                ))
-            });
-            for r in 0..T {
-                let a = rows[r];
-                let mut summ = _mm256_setzero_si256();
-                for (p, m) in mins.iter().enumerate() {
-                    let s = broadcast4(a.bsums32.as_ptr().add(2 * p) as *const u8);
-                    summ = _mm256_add_epi32(summ, _mm256_madd_epi16(*m, s));
-                }
-                let ad = _mm256_set1_ps(a.d);
-                let v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(d, ad), acc[r]);
-                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(dmin, ad), v);
-            }
+            finish(block, &rows, &sumi, &mut acc);
         }
         for (s, a) in sums.iter_mut().zip(acc) {
             _mm256_storeu_ps(s.as_mut_ptr(), a);
+        }
+    }
+
+    /// A super-block's float step for `T` activation rows, the same in every 256- and
+    /// 512-bit kernel: `acc[r] += a.d · (d · sumi[r] - dmin · Σ mins · bsums)` in the eight
+    /// lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[inline(always)]
+    pub(super) unsafe fn finish<const T: usize>(
+        block: &BlockQ4Kx8,
+        rows: &[&ActBlockK; T],
+        sumi: &[__m256i; T],
+        acc: &mut [__m256; T],
+    ) {
+        let d = _mm256_cvtph_ps(_mm_load_si128(block.d.as_ptr() as *const __m128i));
+        let dmin = _mm256_cvtph_ps(_mm_load_si128(block.dmin.as_ptr() as *const __m128i));
+        let mins: [__m256i; 4] = std::array::from_fn(|p| {
+            _mm256_cvtepu8_epi16(_mm_load_si128(
+                block.mins.as_ptr().add(16 * p) as *const __m128i
+            ))
+        });
+        for r in 0..T {
+            let a = rows[r];
+            let mut summ = _mm256_setzero_si256();
+            for (p, m) in mins.iter().enumerate() {
+                let s = broadcast4(a.bsums32.as_ptr().add(2 * p) as *const u8);
+                summ = _mm256_add_epi32(summ, _mm256_madd_epi16(*m, s));
+            }
+            let ad = _mm256_set1_ps(a.d);
+            let v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(d, ad), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(dmin, ad), v);
         }
     }
 

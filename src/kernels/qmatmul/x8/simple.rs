@@ -78,6 +78,41 @@ pub trait SimpleX8: Copy + Send + Sync + 'static {
     /// The CPU must support AVX-512 (F, BW).
     #[cfg(target_arch = "x86_64")]
     unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8];
+    /// The block's values for the 512-bit one-row kernel (`x8::zmm`), unsigned: register `s`
+    /// holds values `8s..8s + 4` of the eight rows in lanes 0–7 and `8s + 4..8s + 8` in
+    /// lanes 8–15, `OFFSET` above the true values (128 for the signed Q8_0).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 (F, BW, VL).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn zmm_values(&self) -> [std::arch::x86_64::__m512i; 4];
+}
+
+/// One block's float step for `T` activation rows, the same in every SIMD kernel: `acc[r] +=
+/// d · a.d · dots[r]` (plus `m · a.s` for the formats with an offset) in the eight lanes.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn add_block<S: SimpleX8, const T: usize>(
+    block: &S,
+    rows: &[&ActBlock; T],
+    dots: [std::arch::x86_64::__m256i; T],
+    acc: &mut [std::arch::x86_64::__m256; T],
+) {
+    use std::arch::x86_64::*;
+    let d = _mm256_cvtph_ps(_mm_loadu_si128(block.d().as_ptr() as *const __m128i));
+    for r in 0..T {
+        let scale = _mm256_mul_ps(d, _mm256_set1_ps(rows[r].d));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r]);
+    }
+    if let Some(m) = block.m() {
+        let m = _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr() as *const __m128i));
+        for r in 0..T {
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s), acc[r]);
+        }
+    }
 }
 
 impl<S: SimpleX8> Interleaved for S {
@@ -118,6 +153,13 @@ impl<S: SimpleX8> Interleaved for S {
     ) {
         use avx2::tile;
         dispatch_rows!(tile<S>, isa, w, acts, kb, sums, [4, 3, 2, 1])
+    }
+
+    const ROW_ZMM: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn row_zmm(w: &[Self], acts: &[ActBlock], kb: usize, sums: &mut [f32; ROWS]) {
+        super::zmm::simple_row(w, acts, kb, sums)
     }
 
     amx_pair!(super::amx::pair_tile);
@@ -202,6 +244,12 @@ impl SimpleX8 for BlockQ4_0x8 {
     unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8] {
         super::amx::nibble_rows(pair.map(|b| &b.qs))
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn zmm_values(&self) -> [std::arch::x86_64::__m512i; 4] {
+        super::zmm::nibble_values(&self.qs)
+    }
 }
 
 impl SimpleX8 for BlockQ4_1x8 {
@@ -244,6 +292,12 @@ impl SimpleX8 for BlockQ4_1x8 {
     #[inline(always)]
     unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8] {
         super::amx::nibble_rows(pair.map(|b| &b.qs))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn zmm_values(&self) -> [std::arch::x86_64::__m512i; 4] {
+        super::zmm::nibble_values(&self.qs)
     }
 }
 
@@ -295,6 +349,25 @@ impl SimpleX8 for BlockQ5_0x8 {
             *row = _mm512_mask_add_epi8(*row, set, *row, sixteen);
         }
         rows
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn zmm_values(&self) -> [std::arch::x86_64::__m512i; 4] {
+        use std::arch::x86_64::*;
+        let mut values = super::zmm::nibble_values(&self.qs);
+        // Bit `g` of each lane's `qh` byte is the fifth bit of the value of group `g` in that
+        // lane: a 32-bit rotation left by `4 - g` (mod 32) moves it to bit 4 of the same byte
+        // in every byte of the lane at once.
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(self.qh.as_ptr() as *const __m256i));
+        let bit4 = _mm512_set1_epi8(0x10);
+        for (s, v) in values.iter_mut().enumerate() {
+            let g = 2 * s as i32;
+            let fifth = _mm512_rolv_epi32(qh, super::zmm::halves((4 - g) & 31, (3 - g) & 31));
+            // v | (fifth & bit4)
+            *v = _mm512_ternarylogic_epi32::<0xF8>(*v, fifth, bit4);
+        }
+        values
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -383,6 +456,20 @@ impl SimpleX8 for BlockQ8_0x8 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
+    unsafe fn zmm_values(&self) -> [std::arch::x86_64::__m512i; 4] {
+        use std::arch::x86_64::*;
+        std::array::from_fn(|s| {
+            // Two 32-byte halves: the 272-byte blocks put most 64-byte loads across two
+            // lines (one row through 4864 × 896 and 151936 × 896 matrices streamed at 84 and
+            // 88 % of a plain read that way, 85 and 88–90 % in halves).
+            let at = self.qs.as_ptr().add(64 * s) as *const u8;
+            let q = super::amx::join(at, at.add(32));
+            _mm512_xor_si512(q, _mm512_set1_epi8(i8::MIN))
+        })
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
     unsafe fn dot_i32<const T: usize, D: ByteDot>(
         &self,
         acts: &[&ActBlock; T],
@@ -464,18 +551,7 @@ mod avx2 {
                 prefetch_line(block, line);
             }
             let rows: [&ActBlock; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
-            let dots = block.dot_i32::<T, D>(&rows);
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(block.d().as_ptr() as *const __m128i));
-            for r in 0..T {
-                let scale = _mm256_mul_ps(d, _mm256_set1_ps(rows[r].d));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r]);
-            }
-            if let Some(m) = block.m() {
-                let m = _mm256_cvtph_ps(_mm_loadu_si128(m.as_ptr() as *const __m128i));
-                for r in 0..T {
-                    acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s), acc[r]);
-                }
-            }
+            super::add_block(block, &rows, block.dot_i32::<T, D>(&rows), &mut acc);
         }
         for (s, a) in sums.iter_mut().zip(acc) {
             _mm256_storeu_ps(s.as_mut_ptr(), a);
