@@ -336,7 +336,11 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
                 }
             });
         }
-        self.for_each_tile(1, m, P::TILE_ROWS.min(MAX_TILE_ROWS), |groups, r| {
+        let (rows, ahead) = (
+            P::TILE_ROWS.min(MAX_TILE_ROWS),
+            prefetch_ahead_for::<P>(isa, m),
+        );
+        self.for_each_tile(1, m, rows, ahead, |groups, r| {
             let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
             let sums = &mut sums[..r.len()];
             for group in groups {
@@ -356,12 +360,13 @@ impl<P: Interleaved> PackedMatrix<P> {
     /// Spreads the groups over the pool in work items of `per_item` consecutive groups (the
     /// last may hold fewer) and calls `f(items, rows)` for every slice of items and tile of at
     /// most `max_rows` of the `m` activation rows (`for_each_slice_tile`), the slice's first
-    /// weights requested as it starts.
+    /// `ahead` bytes of weights requested as it starts (the distance its tiles prefetch at).
     fn for_each_tile(
         &self,
         per_item: usize,
         m: usize,
         max_rows: usize,
+        ahead: usize,
         f: impl Fn(Range<usize>, Range<usize>) + Sync,
     ) {
         let kb = self.cols / block_len::<P>();
@@ -374,14 +379,14 @@ impl<P: Interleaved> PackedMatrix<P> {
             m,
             tile_rows,
             |items, r| {
-                // The tiles prefetch `P::PREFETCH_AHEAD` bytes ahead of their work, so the head of
-                // a thread's chunk would come in as demand misses: every slice starts with its
-                // first `P::PREFETCH_AHEAD` bytes requested at once (for a slice continuing the
-                // previous one, lines already requested: 24 to 48 cheap instructions per slice).
+                // The tiles prefetch `ahead` bytes ahead of their work, so the head of a
+                // thread's chunk would come in as demand misses: every slice starts with its
+                // first `ahead` bytes requested at once (for a slice continuing the previous
+                // one, lines already requested: 24 to 48 cheap instructions per slice).
                 if r.start == 0 {
                     let end = (items.end * item_blocks).min(self.blocks.len());
                     let slice = &self.blocks[items.start * item_blocks..end];
-                    let bytes = std::mem::size_of_val(slice).min(P::PREFETCH_AHEAD);
+                    let bytes = std::mem::size_of_val(slice).min(ahead);
                     crate::kernels::prefetch_lines(slice.as_ptr(), bytes);
                 }
                 f(items, r)
@@ -405,7 +410,7 @@ impl<P: Interleaved> PackedMatrix<P> {
         let kb = self.cols / block_len::<P>();
         let groups = self.rows / ROWS;
         let group = |g: usize| &self.blocks[g * kb..(g + 1) * kb];
-        self.for_each_tile(2, m, AMX_TILE, |pairs, r| {
+        self.for_each_tile(2, m, AMX_TILE, P::PREFETCH_AHEAD, |pairs, r| {
             let mut sums = [[0f32; AMX_TILE]; AMX_TILE];
             // The kernels take the tile's rows unchecked.
             assert!((1..=AMX_TILE).contains(&r.len()) && r.end * kb <= acts.len());
@@ -515,39 +520,42 @@ unsafe impl<P: Interleaved> QuantKernel for GatedPacked<P> {
                 }
             });
         }
-        self.pairs
-            .for_each_tile(2, m, P::TILE_ROWS.min(MAX_TILE_ROWS), |pairs, r| {
-                let width = pairs.len() * ROWS;
-                let part = r.len() * width;
-                STAGE.with(|cell| {
-                    let mut stage = cell.borrow_mut();
-                    if stage.len() < 3 * part {
-                        stage.resize(3 * part, 0.0);
-                    }
-                    // Row `i` of the tile at `i · width` in each: its values for the slice's pairs.
-                    let (gate, rest) = stage[..3 * part].split_at_mut(part);
-                    let (up, values) = rest.split_at_mut(part);
-                    let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
-                    let sums = &mut sums[..r.len()];
-                    for (k, pair) in pairs.clone().enumerate() {
-                        for (group, dst) in [(2 * pair, &mut *gate), (2 * pair + 1, &mut *up)] {
-                            self.pairs.group_tile(group, acts, r.clone(), sums, isa);
-                            for (i, s) in sums.iter().enumerate() {
-                                dst[i * width + k * ROWS..][..ROWS].copy_from_slice(s);
-                            }
+        let (rows, ahead) = (
+            P::TILE_ROWS.min(MAX_TILE_ROWS),
+            prefetch_ahead_for::<P>(isa, m),
+        );
+        self.pairs.for_each_tile(2, m, rows, ahead, |pairs, r| {
+            let width = pairs.len() * ROWS;
+            let part = r.len() * width;
+            STAGE.with(|cell| {
+                let mut stage = cell.borrow_mut();
+                if stage.len() < 3 * part {
+                    stage.resize(3 * part, 0.0);
+                }
+                // Row `i` of the tile at `i · width` in each: its values for the slice's pairs.
+                let (gate, rest) = stage[..3 * part].split_at_mut(part);
+                let (up, values) = rest.split_at_mut(part);
+                let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
+                let sums = &mut sums[..r.len()];
+                for (k, pair) in pairs.clone().enumerate() {
+                    for (group, dst) in [(2 * pair, &mut *gate), (2 * pair + 1, &mut *up)] {
+                        self.pairs.group_tile(group, acts, r.clone(), sums, isa);
+                        for (i, s) in sums.iter().enumerate() {
+                            dst[i * width + k * ROWS..][..ROWS].copy_from_slice(s);
                         }
                     }
-                    for (i, row) in r.clone().enumerate() {
-                        let at = i * width..(i + 1) * width;
-                        let v = &mut values[at.clone()];
-                        crate::kernels::silu_mul(&gate[at.clone()], &up[at], v);
-                        // SAFETY: columns 8·pairs.start..8·pairs.end belong to this task's pairs
-                        // only, and lie inside `out` (m × rows values, as `matmul_quantized`'s
-                        // caller promised).
-                        unsafe { out.write(row * n + pairs.start * ROWS, v) };
-                    }
-                })
-            });
+                }
+                for (i, row) in r.clone().enumerate() {
+                    let at = i * width..(i + 1) * width;
+                    let v = &mut values[at.clone()];
+                    crate::kernels::silu_mul(&gate[at.clone()], &up[at], v);
+                    // SAFETY: columns 8·pairs.start..8·pairs.end belong to this task's pairs
+                    // only, and lie inside `out` (m × rows values, as `matmul_quantized`'s
+                    // caller promised).
+                    unsafe { out.write(row * n + pairs.start * ROWS, v) };
+                }
+            })
+        });
     }
 }
 
@@ -556,16 +564,19 @@ fn uses_amx<P: Interleaved>(isa: Isa, m: usize) -> bool {
     isa == Isa::Amx && P::AMX && m >= AMX_MIN_ROWS
 }
 
+/// Whether a tile of `rows` activation rows takes the 512-bit one-row kernel.
+fn uses_row_zmm<P: Interleaved>(isa: Isa, rows: usize) -> bool {
+    matches!(isa, Isa::Avx512Vnni | Isa::Amx) && P::ROW_ZMM && rows == 1
+}
+
 /// One group's tile with the instruction set `isa`.
 fn tile<P: Interleaved>(w: &[P], acts: &[Act<P>], kb: usize, sums: &mut [[f32; ROWS]], isa: Isa) {
     // SAFETY: `isa` is one the CPU supports (`Isa::best`, or checked by `matmul_with`), and
     // `Isa::Amx` includes AVX-512 VNNI.
     #[cfg(target_arch = "x86_64")]
-    match (isa, &mut *sums) {
-        (Isa::Scalar, _) => {}
-        (Isa::Avx512Vnni | Isa::Amx, [row]) if P::ROW_ZMM => {
-            return unsafe { P::row_zmm(w, acts, kb, row) };
-        }
+    match &mut *sums {
+        _ if isa == Isa::Scalar => {}
+        [row] if uses_row_zmm::<P>(isa, 1) => return unsafe { P::row_zmm(w, acts, kb, row) },
         _ => return unsafe { P::tile_simd(isa, w, acts, kb, sums) },
     }
     let _ = isa;
@@ -601,7 +612,24 @@ unsafe fn broadcast4(p: *const u8) -> std::arch::x86_64::__m256i {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch_line<P: Interleaved>(block: &P, line: usize) {
+    prefetch_at(block, P::PREFETCH_AHEAD, line)
+}
+
+/// As [`prefetch_line`], `ahead` bytes ahead instead of the format's distance.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_at<P>(block: &P, ahead: usize, line: usize) {
     use std::arch::x86_64::*;
-    let ahead = (block as *const P as *const i8).wrapping_add(P::PREFETCH_AHEAD + 64 * line);
-    _mm_prefetch::<_MM_HINT_T0>(ahead);
+    let at = (block as *const P as *const i8).wrapping_add(ahead + 64 * line);
+    _mm_prefetch::<_MM_HINT_T0>(at);
+}
+
+/// The bytes ahead that a product of `m` activation rows with `isa` requests its weights: the
+/// 512-bit one-row kernels' distance ([`zmm::AHEAD`]) or the format's.
+fn prefetch_ahead_for<P: Interleaved>(isa: Isa, m: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if uses_row_zmm::<P>(isa, m) {
+        return zmm::AHEAD;
+    }
+    P::PREFETCH_AHEAD
 }
