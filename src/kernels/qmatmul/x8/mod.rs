@@ -612,16 +612,16 @@ unsafe fn broadcast4(p: *const u8) -> std::arch::x86_64::__m256i {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch_line<P: Interleaved>(block: &P, line: usize) {
-    prefetch_at(block, P::PREFETCH_AHEAD, line)
+    prefetch_at::<{ std::arch::x86_64::_MM_HINT_T0 }, P>(block, P::PREFETCH_AHEAD, line)
 }
 
-/// As [`prefetch_line`], `ahead` bytes ahead instead of the format's distance.
+/// As [`prefetch_line`], `ahead` bytes ahead instead of the format's distance, with the
+/// `_mm_prefetch` hint `HINT`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn prefetch_at<P>(block: &P, ahead: usize, line: usize) {
-    use std::arch::x86_64::*;
+unsafe fn prefetch_at<const HINT: i32, P>(block: &P, ahead: usize, line: usize) {
     let at = (block as *const P as *const i8).wrapping_add(ahead + 64 * line);
-    _mm_prefetch::<_MM_HINT_T0>(at);
+    std::arch::x86_64::_mm_prefetch::<HINT>(at);
 }
 
 /// The bytes ahead that a product of `m` activation rows with `isa` requests its weights: the

@@ -204,8 +204,7 @@ mod amx {
 mod zmm {
     use std::arch::x86_64::*;
 
-    use super::super::prefetch_at;
-    use super::super::zmm::{fold, word_pair, AHEAD};
+    use super::super::zmm::{fold, prefetch_row_line, word_pair};
     use super::{avx2, ActBlockK, BlockQ4Kx8, ROWS};
 
     /// As [`Interleaved::row_zmm`](super::Interleaved::row_zmm).
@@ -239,9 +238,9 @@ mod zmm {
                     // A block's 19 lines (as the 256-bit tile counts them): four of `qs` for
                     // each `p`, one a load, and one of the tail with the first of each but
                     // the last.
-                    prefetch_at(block, AHEAD, 4 * p + s);
+                    prefetch_row_line(block, 4 * p + s);
                     if s == 0 && p < 3 {
-                        prefetch_at(block, AHEAD, 16 + p);
+                        prefetch_row_line(block, 16 + p);
                     }
                     let at = block.qs.as_ptr().add((p * 8 + 2 * s) * 32);
                     let bits = _mm512_loadu_si512(at as *const _);

@@ -19,12 +19,29 @@ use super::{prefetch_at, ROWS};
 use crate::kernels::qmatmul::ActBlock;
 
 /// Bytes ahead of the block being multiplied that the one-row kernels request their weights
-/// (the 256-bit tiles use [`Interleaved::PREFETCH_AHEAD`](super::Interleaved)): 3 KB for every
-/// format. With the 32-value formats' 1.5 KB (the better distance for the 256-bit tiles on a
-/// Zen 3), the Intel Xeon these kernels were measured on decoded the 0.5B at batch 1 at 79–82 %
-/// of the roofline and SmolLM2 at 92–96 %; at 3 KB 83–86 % and 102–106 % (three alternated
-/// runs each).
+/// into the first-level cache (the 256-bit tiles use
+/// [`Interleaved::PREFETCH_AHEAD`](super::Interleaved)): 3 KB for every format. With the
+/// 32-value formats' 1.5 KB (the better distance for the 256-bit tiles on a Zen 3), the Intel
+/// Xeon these kernels were measured on decoded the 0.5B at batch 1 at 79–82 % of the roofline
+/// and SmolLM2 at 92–96 %; at 3 KB 83–86 % and 102–106 % (three alternated runs each).
 pub(super) const AHEAD: usize = 3072;
+
+/// Bytes ahead that the one-row kernels also request each line into the second-level cache
+/// (`prefetcht1`), so more lines are on their way from memory than the first-level cache's
+/// miss buffers hold: one row through Q4_K matrices from memory went from 84–88 % of a plain
+/// read to 91–94 % (8960 × 1536 and 1536 × 8960) and from 75–78 to 82–86 % (2048 and 1536 ×
+/// 1536), Q5_0 4864 × 896 from 80–83 to 84–86 %. 9 KB and 15 KB did as well on the large
+/// shapes, 19 KB worse on the small ones; the second request alone, without the first, 79–90 %;
+/// and added to the 256-bit Q4_K tile it made that one slower (76–79 → 67–72 %).
+pub(super) const L2_AHEAD: usize = AHEAD + 8192;
+
+/// Requests line `line` of a block (counted as `prefetch_line` counts) into the first-level
+/// cache from [`AHEAD`] bytes ahead and into the second-level cache from [`L2_AHEAD`].
+#[inline(always)]
+pub(super) unsafe fn prefetch_row_line<P>(block: &P, line: usize) {
+    prefetch_at::<_MM_HINT_T0, P>(block, AHEAD, line);
+    prefetch_at::<_MM_HINT_T1, P>(block, L2_AHEAD, line);
+}
 
 /// `low` in lanes 0–7, `high` in lanes 8–15.
 #[inline(always)]
@@ -67,7 +84,11 @@ pub(super) unsafe fn simple_row<S: SimpleX8>(
     for b in 0..kb {
         let block = w.get_unchecked(b);
         for line in 0..lines {
-            prefetch_at(block, AHEAD, line);
+            if S::ROW_L2 {
+                prefetch_row_line(block, line);
+            } else {
+                prefetch_at::<_MM_HINT_T0, S>(block, AHEAD, line);
+            }
         }
         let a = acts.get_unchecked(b);
         // Words 0..8 only: `vpermd` reads no others.
