@@ -119,9 +119,109 @@ impl Interleaved for BlockQ6Kx8 {
         dispatch_rows!(tile, isa, w, acts, kb, sums, [8, 7, 6, 5, 4, 3, 2, 1])
     }
 
+    const ROW_ZMM: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn row_zmm(w: &[Self], acts: &[ActBlockK], kb: usize, sums: &mut [f32; ROWS]) {
+        zmm::row(w, acts, kb, sums)
+    }
+
     /// A scale covers 16 values.
     const AMX_DEPTH: usize = 16;
     amx_pair!(amx::pair_tile);
+}
+
+/// Q6_K on 512-bit registers, one activation row (see `x8::zmm`): a register holds the same
+/// byte of positions `4g..4g + 4` (lanes 0–7) and `4g + 4..4g + 8` (lanes 8–15) of a group of
+/// four sub-blocks, so the three whole values and the fourth built from the three top bit pairs
+/// come out for eight positions at once; the four sub-blocks' activations sit in two
+/// registers for `vpermd`. Each 16-value scale applies to both halves, the halves are added
+/// once a super-block, and the -32 and the float step are the 256-bit tile's.
+#[cfg(target_arch = "x86_64")]
+mod zmm {
+    use std::arch::x86_64::*;
+
+    use super::super::amx::join;
+    use super::super::zmm::{fold, prefetch_row_line, word_pair};
+    use super::{avx2, q_index, ActBlockK, BlockQ6Kx8, ROWS};
+
+    /// As [`Interleaved::row_zmm`](super::Interleaved::row_zmm).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 (F, BW, VL) and AVX-512 VNNI; `w` and `acts` hold `kb`
+    /// super-blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn row(
+        w: &[BlockQ6Kx8],
+        acts: &[ActBlockK],
+        kb: usize,
+        sums: &mut [f32; ROWS],
+    ) {
+        debug_assert!(w.len() == kb && acts.len() == kb);
+        let low6 = _mm512_set1_epi8(0x3F);
+        let top2 = _mm512_set1_epi8(0xC0u8 as i8);
+        let (bits01, bits0123) = (_mm512_set1_epi8(0x03), _mm512_set1_epi8(0x0F));
+        let mut acc = [_mm256_setzero_ps()];
+        for b in 0..kb {
+            let block = w.get_unchecked(b);
+            let a = acts.get_unchecked(b);
+            let mut sumi = _mm512_setzero_si512();
+            for n in 0..2 {
+                // Sub-blocks `4n`, `4n + 1` in one register, `4n + 2`, `4n + 3` in the other.
+                let x: [__m512i; 2] = std::array::from_fn(|h| {
+                    _mm512_loadu_si512(a.qs.as_ptr().add(128 * n + 64 * h) as *const _)
+                });
+                for half in 0..2 {
+                    // Sub-block `4n + k`'s products for the scale of values `16 half..`.
+                    let mut part = [_mm512_setzero_si512(); 4];
+                    for pair in 0..2 {
+                        let g = 4 * half + 2 * pair;
+                        let bytes: [__m512i; 3] = std::array::from_fn(|j| {
+                            let at = |g: usize| block.q.as_ptr().add(q_index(n, 4 * g, j, 0));
+                            join(at(g), at(g + 1))
+                        });
+                        // The fourth sub-block's value: the top bit pairs of bytes 0, 1, 2 to
+                        // bits 0–1, 2–3, 4–5 (16-bit shifts; each select keeps the bits its
+                        // own byte brought, and byte 2's pair is masked before its shift).
+                        let fourth = {
+                            let b0 = _mm512_srli_epi16::<6>(bytes[0]);
+                            let b1 = _mm512_srli_epi16::<4>(bytes[1]);
+                            let b2 = _mm512_srli_epi16::<2>(_mm512_and_si512(bytes[2], top2));
+                            // `m ? x : y`, bit by bit.
+                            let low = _mm512_ternarylogic_epi32::<0xCA>(bits01, b0, b1);
+                            _mm512_ternarylogic_epi32::<0xCA>(bits0123, low, b2)
+                        };
+                        let values = [
+                            _mm512_and_si512(bytes[0], low6),
+                            _mm512_and_si512(bytes[1], low6),
+                            _mm512_and_si512(bytes[2], low6),
+                            fourth,
+                        ];
+                        for (k, (part, v)) in part.iter_mut().zip(values).enumerate() {
+                            // A block's lines spread over its 32 products, as in the 256-bit
+                            // one-row tile.
+                            let step = ((2 * n + half) * 2 + pair) * 4 + k;
+                            if let Some(line) = avx2::ONE_ROW_LINES[step] {
+                                prefetch_row_line(block, line as usize);
+                            }
+                            let words = word_pair((8 * (k % 2) + g) as i32);
+                            let x = _mm512_permutexvar_epi32(words, x[k / 2]);
+                            *part = _mm512_dpbusd_epi32(*part, v, x);
+                        }
+                    }
+                    for (k, part) in part.iter().enumerate() {
+                        // The eight rows' scales, for both halves.
+                        let at = block.scales.as_ptr().add(8 * (2 * (4 * n + k) + half));
+                        let scales = _mm_castpd_si128(_mm_loaddup_pd(at as *const f64));
+                        let scaled = _mm512_mullo_epi32(*part, _mm512_cvtepi8_epi32(scales));
+                        sumi = _mm512_add_epi32(sumi, scaled);
+                    }
+                }
+            }
+            avx2::finish(block, &[a], &[fold(sumi)], &mut acc);
+        }
+        _mm256_storeu_ps(sums.as_mut_ptr(), acc[0]);
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -162,7 +262,7 @@ mod avx2 {
     /// at batch 1 a median 4.3–4.6 % faster (alternated per decode step); but with the same
     /// matrix kept in the last-level cache one row ran 14–17 % slower, and batches of 16
     /// decoded 1.5 % slower, so more rows keep one request a step.
-    const ONE_ROW_LINES: [Option<u8>; 32] = {
+    pub(super) const ONE_ROW_LINES: [Option<u8>; 32] = {
         let mut lines = [None; 32];
         let mut step = 0;
         while step < 32 {
@@ -214,26 +314,41 @@ mod avx2 {
                     }
                 }
             }
-            // The -32 of every value: Σ_s scale_s · 32 · bsum_s, two scales per `madd`.
-            let scale_pairs: [__m256i; 8] = std::array::from_fn(|p| {
-                let s = _mm_loadu_si128(block.scales.as_ptr().add(16 * p) as *const __m128i);
-                _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, _mm_srli_si128::<8>(s)))
-            });
-            let d = _mm256_cvtph_ps(_mm_load_si128(block.d.as_ptr() as *const __m128i));
-            for r in 0..T {
-                let a = rows[r];
-                let mut offset = _mm256_setzero_si256();
-                for (p, sp) in scale_pairs.iter().enumerate() {
-                    let bsums = broadcast4(a.bsums.as_ptr().add(2 * p) as *const u8);
-                    offset = _mm256_add_epi32(offset, _mm256_madd_epi16(*sp, bsums));
-                }
-                let total = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(offset, 5));
-                let dv = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), dv, acc[r]);
-            }
+            finish(block, &rows, &sumi, &mut acc);
         }
         for (s, a) in sums.iter_mut().zip(acc) {
             _mm256_storeu_ps(s.as_mut_ptr(), a);
+        }
+    }
+
+    /// A super-block's end for `T` activation rows, the same in every 256- and 512-bit
+    /// kernel: the -32 of every value (`Σ_s scale_s · 32 · bsum_s`, two scales per `madd`)
+    /// taken from `sumi[r]`, then `acc[r] += d · a.d · total` in the eight lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[inline(always)]
+    pub(super) unsafe fn finish<const T: usize>(
+        block: &BlockQ6Kx8,
+        rows: &[&ActBlockK; T],
+        sumi: &[__m256i; T],
+        acc: &mut [__m256; T],
+    ) {
+        let scale_pairs: [__m256i; 8] = std::array::from_fn(|p| {
+            let s = _mm_loadu_si128(block.scales.as_ptr().add(16 * p) as *const __m128i);
+            _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, _mm_srli_si128::<8>(s)))
+        });
+        let d = _mm256_cvtph_ps(_mm_load_si128(block.d.as_ptr() as *const __m128i));
+        for r in 0..T {
+            let a = rows[r];
+            let mut offset = _mm256_setzero_si256();
+            for (p, sp) in scale_pairs.iter().enumerate() {
+                let bsums = broadcast4(a.bsums.as_ptr().add(2 * p) as *const u8);
+                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(*sp, bsums));
+            }
+            let total = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(offset, 5));
+            let dv = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), dv, acc[r]);
         }
     }
 
