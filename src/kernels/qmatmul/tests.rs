@@ -37,6 +37,23 @@ fn random_blocks<B: WeightBlock>(n: usize, rng: &mut impl Rng) -> Vec<u8> {
     bytes
 }
 
+/// Whether two results are the same floats bit for bit (and as many).
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Runs `$check::<P>()` for every interleaved format `P`.
+macro_rules! every_interleaved {
+    ($check:ident) => {
+        $check::<BlockQ4_0x8>();
+        $check::<BlockQ4_1x8>();
+        $check::<BlockQ5_0x8>();
+        $check::<BlockQ8_0x8>();
+        $check::<BlockQ4Kx8>();
+        $check::<BlockQ6Kx8>();
+    };
+}
+
 /// A `[rows, cols]` matrix of `B` blocks dequantized by candle, row-major.
 fn dequantized<B: WeightBlock>(bytes: &[u8], rows: usize, cols: usize) -> Vec<f32> {
     let (_, dtype) = layout::<B>();
@@ -297,12 +314,8 @@ fn check_packed<P: Interleaved>() {
             // unwritten fails here).
             if isa == Isa::best() {
                 let fresh = m.matmul_vec(&x);
-                let same = fresh
-                    .iter()
-                    .zip(&out)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(
-                    same && fresh.len() == out.len(),
+                    same_bits(&fresh, &out),
                     "packed {name} b{batch}: matmul_vec"
                 );
             }
@@ -348,18 +361,14 @@ fn check_gated<P: Interleaved>() {
             crate::kernels::silu_mul(&gx, &ux, &mut want);
             let mut got = vec![f32::NAN; batch * rows];
             gated.matmul_with(isa, &x, &mut got);
-            let same = got
-                .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "gated {name} {isa:?} {rows}x{cols} b{batch}");
+            assert!(
+                same_bits(&got, &want),
+                "gated {name} {isa:?} {rows}x{cols} b{batch}"
+            );
             if isa == Isa::best() {
                 let fresh = gated.matmul_vec(&x);
                 assert!(
-                    fresh
-                        .iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    same_bits(&fresh, &want),
                     "gated {name} b{batch}: matmul_vec"
                 );
             }
@@ -369,12 +378,7 @@ fn check_gated<P: Interleaved>() {
 
 #[test]
 fn gated_pairs_apply_silu_gate_to_the_two_products() {
-    check_gated::<BlockQ4Kx8>();
-    check_gated::<BlockQ6Kx8>();
-    check_gated::<BlockQ4_0x8>();
-    check_gated::<BlockQ4_1x8>();
-    check_gated::<BlockQ5_0x8>();
-    check_gated::<BlockQ8_0x8>();
+    every_interleaved!(check_gated);
 }
 
 #[test]
@@ -404,7 +408,6 @@ fn check_amx<P: Interleaved>() {
     }
     let name = <P::Source as WeightBlock>::NAME;
     let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
-    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     for (rows, blocks, batch) in [
         (8, 1, 8),
         (24, 3, 9),
@@ -430,7 +433,7 @@ fn check_amx<P: Interleaved>() {
             let mut got = vec![f32::NAN; batch * rows];
             kernel.matmul_with(Isa::Amx, &x, &mut got);
             assert!(
-                same(&got, &want),
+                same_bits(&got, &want),
                 "AMX {name} {rows}x{cols} b{batch}: differs from AVX-512 VNNI"
             );
         }
@@ -448,7 +451,6 @@ fn check_row_bits<P: Interleaved>() {
     }
     let name = <P::Source as WeightBlock>::NAME;
     let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
-    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     for (rows, blocks, batch) in [(8, 1, 9), (24, 3, 5), (16, 28, 6), (40, 5, 17)] {
         let cols = blocks * len;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((rows * 7 + cols + batch) as u64);
@@ -477,11 +479,11 @@ fn check_row_bits<P: Interleaved>() {
                 kernel.matmul_with(isa, &x, &mut batched);
                 let shape = format!("{name} {rows}x{cols} b{batch} {isa:?}");
                 assert!(
-                    same(&alone(isa), &want),
+                    same_bits(&alone(isa), &want),
                     "{shape}: rows alone differ from AVX2's"
                 );
                 assert!(
-                    same(&batched, &want),
+                    same_bits(&batched, &want),
                     "{shape}: the batch differs from AVX2's rows"
                 );
             }
@@ -491,12 +493,7 @@ fn check_row_bits<P: Interleaved>() {
 
 #[test]
 fn a_row_is_the_same_bits_alone_batched_and_on_every_simd_path() {
-    check_row_bits::<BlockQ4_0x8>();
-    check_row_bits::<BlockQ4_1x8>();
-    check_row_bits::<BlockQ5_0x8>();
-    check_row_bits::<BlockQ8_0x8>();
-    check_row_bits::<BlockQ4Kx8>();
-    check_row_bits::<BlockQ6Kx8>();
+    every_interleaved!(check_row_bits);
 }
 
 /// A tile configuration another library loaded in this thread (candle's quantized matmul
@@ -534,12 +531,7 @@ fn amx_kernels_give_back_the_tile_configuration_they_found() {
 
 #[test]
 fn amx_tiles_give_the_vnni_products() {
-    check_amx::<BlockQ4_0x8>();
-    check_amx::<BlockQ4_1x8>();
-    check_amx::<BlockQ5_0x8>();
-    check_amx::<BlockQ8_0x8>();
-    check_amx::<BlockQ4Kx8>();
-    check_amx::<BlockQ6Kx8>();
+    every_interleaved!(check_amx);
 }
 
 #[test]
