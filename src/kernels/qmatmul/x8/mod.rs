@@ -12,7 +12,10 @@
 //!   and there is no horizontal sum anywhere.
 //!
 //! A batch of `m` rows is taken in tiles of up to [`Interleaved::TILE_ROWS`] activation rows,
-//! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`).
+//! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`). With
+//! AVX-512 VNNI a tile of one row takes the 512-bit kernels of `zmm` (and of `q4k` / `q6k`),
+//! and with AMX products of [`Interleaved::AMX_MIN_ROWS`] rows or more take the tiles of
+//! `amx`; every path gives a row's product the same bits.
 
 use std::cell::RefCell;
 use std::ops::Range;
