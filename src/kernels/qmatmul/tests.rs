@@ -417,6 +417,7 @@ fn check_amx<P: Interleaved>() {
         (512, 36, 12),
         (32, 4, 7),
         (16, 3, 4),
+        (24, 2, 6),
     ] {
         let cols = blocks * len;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((rows * 5 + cols + batch) as u64);

@@ -203,8 +203,9 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     /// Whether the format has an AMX path ([`amx_pair`](Self::amx_pair)).
     const AMX: bool = false;
     /// The fewest activation rows a product takes AMX tiles for (with [`Isa::Amx`]); fewer
-    /// take the AVX-512 VNNI tiles. 8 by default: from 4 rows for every format, batches of 4
-    /// decoded 6–16 % slower (the three models; batches of 6 from 7 % faster to 5 % slower).
+    /// take the AVX-512 VNNI tiles. 8 by default (Q4_1, Q4_0, Q6_K): from 4 rows for every
+    /// format, batches of 4 decoded 6–16 % slower in the three models; Q4_K and Q5_0 from 6,
+    /// Q8_0 from 4 (each measured where it is set).
     const AMX_MIN_ROWS: usize = 8;
     /// Bytes deep its AMX products are: the values one set of scales covers.
     const AMX_DEPTH: usize = 32;

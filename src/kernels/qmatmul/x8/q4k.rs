@@ -103,6 +103,10 @@ impl Interleaved for BlockQ4Kx8 {
     }
 
     const ROW_ZMM: bool = true;
+    /// From 6 rows: the 1.5B decoded batches of 6 at 102–106 tok/s and of 7 at 114–116 that
+    /// way, at 96–100 and 103–107 from 8 (three alternated rounds). Its Q6_K from 6 too was
+    /// slower (100 and 109–110).
+    const AMX_MIN_ROWS: usize = 6;
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn row_zmm(w: &[Self], acts: &[ActBlockK], kb: usize, sums: &mut [f32; ROWS]) {

@@ -343,6 +343,10 @@ impl SimpleX8 for BlockQ5_0x8 {
     }
 
     const OFFSET: i32 = 16;
+    /// From 6 rows: the 0.5B (mostly Q5_0) decoded batches of 6 at 274–278 tok/s and of 7 at
+    /// 302–311 that way, at 259–261 and 278–285 from 8 (three alternated rounds); batches of 5
+    /// the same. Q4_1 from 6 was no faster for SmolLM2.
+    const AMX_MIN_ROWS: usize = 6;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
