@@ -1,8 +1,9 @@
 //! The quantized matmul's instruction-set paths as a C library, for running them on an
 //! emulated CPU that has instruction sets this machine lacks (AVX-512 VNNI, AVX-VNNI): the harness
-//! (`tests/emulated_isa.py`, driven by `tests/emulated_isa.rs`) prepares each case natively,
-//! runs [`emu_run`] on the emulated CPU over this process's own memory, and checks the result
-//! natively against the portable path.
+//! (`tests/python/emulated_isa.py`, driven by `tests/emulated_isa.rs`) prepares each case
+//! natively, runs [`emu_run`] on the emulated CPU over this process's own memory, and checks
+//! the result natively against the portable path and, for the interleaved kernels, bit for bit
+//! against the native AVX2 path.
 //!
 //! `emu_run` must not make system calls: it runs on one thread (a one-thread pool, installed
 //! for the call) over buffers and a scratch area that [`emu_prepare`] already sized natively.
@@ -82,8 +83,9 @@ pub extern "C" fn emu_isa(i: usize) -> usize {
     i % ISAS.len()
 }
 
-/// Prepares case `i`: weights and activations from a seeded generator, the portable
-/// result computed here, the output buffer and this thread's scratch sized.
+/// Prepares case `i`: weights and activations from a seeded generator, the portable result
+/// (and for the interleaved kernels the AVX2 one) computed here, the output buffer and this
+/// thread's scratch sized.
 #[no_mangle]
 pub extern "C" fn emu_prepare(i: usize) -> *mut Case {
     let isa = ISAS[emu_isa(i)];

@@ -450,6 +450,9 @@ fn check_row_bits<P: Interleaved>() {
         eprintln!("no SIMD path here: nothing to compare");
         return;
     }
+    if !Isa::Avx512Vnni.is_available() {
+        eprintln!("no AVX-512 VNNI here: the 512-bit row kernels are not among the paths");
+    }
     let name = <P::Source as WeightBlock>::NAME;
     let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
     for (rows, blocks, batch) in [(8, 1, 9), (24, 3, 5), (16, 28, 6), (40, 5, 17)] {
@@ -495,6 +498,57 @@ fn check_row_bits<P: Interleaved>() {
 #[test]
 fn a_row_is_the_same_bits_alone_batched_and_on_every_simd_path() {
     every_interleaved!(check_row_bits);
+}
+
+/// The 512-bit one-row kernel, called directly on one interleaved group, gives the 256-bit
+/// one-row tile's bits (so the check above cannot pass by the dispatch skipping it).
+#[cfg(target_arch = "x86_64")]
+fn check_row_zmm<P: Interleaved>() {
+    if !Isa::Avx512Vnni.is_available() {
+        eprintln!("no AVX-512 VNNI here: the 512-bit kernels run only on the emulated CPUs");
+        return;
+    }
+    assert!(
+        P::ROW_ZMM,
+        "every interleaved format has a 512-bit row kernel"
+    );
+    let name = <P::Source as WeightBlock>::NAME;
+    let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
+    let size = std::mem::size_of::<P::Source>();
+    for kb in [1, 3, 28] {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(kb as u64 * 97);
+        let bytes = random_blocks::<P::Source>(x8::ROWS * kb, &mut rng);
+        // SAFETY: each source block is plain integer and f16 fields, any bits valid, read
+        // unaligned from inside `bytes`.
+        let source = |row: usize, b: usize| unsafe {
+            std::ptr::read_unaligned(bytes[(row * kb + b) * size..].as_ptr() as *const P::Source)
+        };
+        let w: Vec<P> = (0..kb)
+            .map(|b| {
+                let rows: [P::Source; x8::ROWS] = std::array::from_fn(|i| source(i, b));
+                P::pack(std::array::from_fn(|i| &rows[i]))
+            })
+            .collect();
+        let x: Vec<f32> = (0..kb * len).map(|_| rng.random_range(-3.0..3.0)).collect();
+        let mut acts = vec![<P::Source as WeightBlock>::Act::ZERO; kb];
+        quantize_row(&x, &mut acts);
+        let (mut zmm, mut ymm) = ([f32::NAN; x8::ROWS], [[f32::NAN; x8::ROWS]]);
+        // SAFETY: AVX-512 VNNI is available; `w` and `acts` hold `kb` blocks.
+        unsafe {
+            P::row_zmm(&w, &acts, kb, &mut zmm);
+            P::tile_simd(Isa::Avx512Vnni, &w, &acts, kb, &mut ymm);
+        }
+        assert!(
+            same_bits(&zmm, &ymm[0]),
+            "{name} {kb} blocks: {zmm:?} vs {ymm:?}"
+        );
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_512_bit_row_kernels_give_the_256_bit_tiles_bits() {
+    every_interleaved!(check_row_zmm);
 }
 
 /// A tile configuration another library loaded in this thread (candle's quantized matmul

@@ -162,7 +162,7 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     const TILE_ROWS: usize;
     /// Bytes ahead of the block being multiplied that the kernels request ([`prefetch_line`]):
     /// by default 3 KB, two and a half interleaved Q4_K super-blocks (1184 bytes each) or nearly
-    /// two Q6_K ones (1680).
+    /// two Q6_K ones (1696).
     const PREFETCH_AHEAD: usize = 3072;
     /// Interleaves block `b` of eight rows.
     fn pack(rows: [&Self::Source; ROWS]) -> Self;
@@ -194,7 +194,8 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     /// [`tile_simd`](Self::tile_simd)'s one-row tile.
     ///
     /// # Safety
-    /// [`Isa::Avx512Vnni`] must be available and `ROW_ZMM` true.
+    /// [`Isa::Avx512Vnni`] must be available and `ROW_ZMM` true; `w` and `acts` hold `kb`
+    /// blocks (unchecked).
     #[cfg(target_arch = "x86_64")]
     unsafe fn row_zmm(w: &[Self], acts: &[Act<Self>], kb: usize, sums: &mut [f32; ROWS]) {
         let _ = (w, acts, kb, sums);

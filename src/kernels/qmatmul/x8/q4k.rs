@@ -208,7 +208,7 @@ mod amx {
 mod zmm {
     use std::arch::x86_64::*;
 
-    use super::super::zmm::{fold, prefetch_row_line, word_pair};
+    use super::super::zmm::{bytes8_twice, fold, prefetch_row_line, word_pair};
     use super::{avx2, ActBlockK, BlockQ4Kx8, ROWS};
 
     /// As [`Interleaved::row_zmm`](super::Interleaved::row_zmm).
@@ -259,8 +259,8 @@ mod zmm {
                 }
                 for (h, part) in part.iter().enumerate() {
                     // Sub-block `2p + h`'s eight scales, for both halves.
-                    let at = block.scales.as_ptr().add(8 * (2 * p + h)) as *const f64;
-                    let scales = _mm512_cvtepu8_epi32(_mm_castpd_si128(_mm_loaddup_pd(at)));
+                    let at = block.scales.as_ptr().add(8 * (2 * p + h));
+                    let scales = _mm512_cvtepu8_epi32(bytes8_twice(at));
                     let dots = _mm512_add_epi32(part[0], part[1]);
                     sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(dots, scales));
                 }
@@ -368,9 +368,9 @@ mod avx2 {
         }
     }
 
-    /// A super-block's float step for `T` activation rows, the same in every 256- and
-    /// 512-bit kernel: `acc[r] += a.d · (d · sumi[r] - dmin · Σ mins · bsums)` in the eight
-    /// lanes.
+    /// A super-block's float step for `T` activation rows, the same in every 256-bit tile and
+    /// the 512-bit one-row kernel (the AMX tiles repeat it in 16 lanes): `acc[r] += a.d ·
+    /// (d · sumi[r] - dmin · Σ mins · bsums)` in the eight lanes.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.

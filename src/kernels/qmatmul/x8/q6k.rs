@@ -142,7 +142,7 @@ mod zmm {
     use std::arch::x86_64::*;
 
     use super::super::amx::join;
-    use super::super::zmm::{fold, prefetch_row_line, word_pair};
+    use super::super::zmm::{bytes8_twice, fold, prefetch_row_line, word_pair};
     use super::{avx2, q_index, ActBlockK, BlockQ6Kx8, ROWS};
 
     /// As [`Interleaved::row_zmm`](super::Interleaved::row_zmm).
@@ -212,8 +212,8 @@ mod zmm {
                     for (k, part) in part.iter().enumerate() {
                         // The eight rows' scales, for both halves.
                         let at = block.scales.as_ptr().add(8 * (2 * (4 * n + k) + half));
-                        let scales = _mm_castpd_si128(_mm_loaddup_pd(at as *const f64));
-                        let scaled = _mm512_mullo_epi32(*part, _mm512_cvtepi8_epi32(scales));
+                        let scales = _mm512_cvtepi8_epi32(bytes8_twice(at as *const u8));
+                        let scaled = _mm512_mullo_epi32(*part, scales);
                         sumi = _mm512_add_epi32(sumi, scaled);
                     }
                 }
@@ -321,9 +321,10 @@ mod avx2 {
         }
     }
 
-    /// A super-block's end for `T` activation rows, the same in every 256- and 512-bit
-    /// kernel: the -32 of every value (`Σ_s scale_s · 32 · bsum_s`, two scales per `madd`)
-    /// taken from `sumi[r]`, then `acc[r] += d · a.d · total` in the eight lanes.
+    /// A super-block's end for `T` activation rows, the same in every 256-bit tile and the
+    /// 512-bit one-row kernel (the AMX tiles repeat it in 16 lanes): the -32 of every value
+    /// (`Σ_s scale_s · 32 · bsum_s`, two scales per `madd`) taken from `sumi[r]`, then
+    /// `acc[r] += d · a.d · total` in the eight lanes.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.

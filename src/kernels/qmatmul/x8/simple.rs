@@ -95,7 +95,8 @@ pub trait SimpleX8: Copy + Send + Sync + 'static {
     unsafe fn zmm_values(&self) -> [std::arch::x86_64::__m512i; 4];
 }
 
-/// One block's float step for `T` activation rows, the same in every SIMD kernel: `acc[r] +=
+/// One block's float step for `T` activation rows, the same in every 256-bit tile and the
+/// 512-bit one-row kernel (the AMX tiles repeat it in 16 lanes): `acc[r] +=
 /// d · a.d · dots[r]` (plus `m · a.s` for the formats with an offset) in the eight lanes.
 ///
 /// # Safety
@@ -375,7 +376,7 @@ impl SimpleX8 for BlockQ5_0x8 {
         let bit4 = _mm512_set1_epi8(0x10);
         for (s, v) in values.iter_mut().enumerate() {
             let g = 2 * s as i32;
-            let fifth = _mm512_rolv_epi32(qh, super::zmm::halves((4 - g) & 31, (3 - g) & 31));
+            let fifth = _mm512_rolv_epi32(qh, super::zmm::per_half((4 - g) & 31, (3 - g) & 31));
             // v | (fifth & bit4)
             *v = _mm512_ternarylogic_epi32::<0xF8>(*v, fifth, bit4);
         }
