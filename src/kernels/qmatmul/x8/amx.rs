@@ -40,7 +40,8 @@ pub(super) unsafe fn nibble_rows(qs: [&[u8; 128]; 2]) -> [__m512i; 8] {
 }
 
 /// Eight bytes from `a`, then eight from `b` (a K-quant field of eight bytes a sub-block, one
-/// byte per weight row, of the two groups of a pair).
+/// byte per weight row, of the two groups of a pair; or one group's twice, for the two halves
+/// of a 512-bit one-row kernel's register).
 #[inline(always)]
 pub(super) unsafe fn bytes8(a: *const u8, b: *const u8) -> __m128i {
     let half = |p: *const u8| std::ptr::read_unaligned(p as *const i64);

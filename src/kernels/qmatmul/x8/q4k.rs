@@ -208,7 +208,8 @@ mod amx {
 mod zmm {
     use std::arch::x86_64::*;
 
-    use super::super::zmm::{bytes8_twice, fold, prefetch_row_line, word_pair};
+    use super::super::amx::bytes8;
+    use super::super::zmm::{fold, prefetch_row_line, word_pair};
     use super::{avx2, ActBlockK, BlockQ4Kx8, ROWS};
 
     /// As [`Interleaved::row_zmm`](super::Interleaved::row_zmm).
@@ -260,7 +261,7 @@ mod zmm {
                 for (h, part) in part.iter().enumerate() {
                     // Sub-block `2p + h`'s eight scales, for both halves.
                     let at = block.scales.as_ptr().add(8 * (2 * p + h));
-                    let scales = _mm512_cvtepu8_epi32(bytes8_twice(at));
+                    let scales = _mm512_cvtepu8_epi32(bytes8(at, at));
                     let dots = _mm512_add_epi32(part[0], part[1]);
                     sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(dots, scales));
                 }

@@ -141,8 +141,8 @@ impl Interleaved for BlockQ6Kx8 {
 mod zmm {
     use std::arch::x86_64::*;
 
-    use super::super::amx::join;
-    use super::super::zmm::{bytes8_twice, fold, prefetch_row_line, word_pair};
+    use super::super::amx::{bytes8, join};
+    use super::super::zmm::{fold, prefetch_row_line, word_pair};
     use super::{avx2, q_index, ActBlockK, BlockQ6Kx8, ROWS};
 
     /// As [`Interleaved::row_zmm`](super::Interleaved::row_zmm).
@@ -212,7 +212,8 @@ mod zmm {
                     for (k, part) in part.iter().enumerate() {
                         // The eight rows' scales, for both halves.
                         let at = block.scales.as_ptr().add(8 * (2 * (4 * n + k) + half));
-                        let scales = _mm512_cvtepi8_epi32(bytes8_twice(at as *const u8));
+                        let at = at as *const u8;
+                        let scales = _mm512_cvtepi8_epi32(bytes8(at, at));
                         let scaled = _mm512_mullo_epi32(*part, scales);
                         sumi = _mm512_add_epi32(sumi, scaled);
                     }

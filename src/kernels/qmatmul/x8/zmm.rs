@@ -20,10 +20,11 @@ use crate::kernels::qmatmul::ActBlock;
 
 /// Bytes ahead of the block being multiplied that the one-row kernels request their weights
 /// into the first-level cache (the 256-bit tiles use
-/// [`Interleaved::PREFETCH_AHEAD`](super::Interleaved::PREFETCH_AHEAD)): 3 KB for every format. With the
-/// 32-value formats' 1.5 KB (the better distance for the 256-bit tiles on a Zen 3), the Intel
-/// Xeon these kernels were measured on decoded the 0.5B at batch 1 at 79–82 % of the roofline
-/// and SmolLM2 at 92–96 %; at 3 KB 83–86 % and 102–106 % (three alternated runs each).
+/// [`Interleaved::PREFETCH_AHEAD`](super::Interleaved::PREFETCH_AHEAD)): 3 KB for every
+/// format. With the 32-value formats' 1.5 KB (the better distance for the 256-bit tiles on a
+/// Zen 3), the Intel Xeon these kernels were measured on decoded the 0.5B at batch 1 at 79–82 %
+/// of the roofline and SmolLM2 at 92–96 %; at 3 KB 83–86 % and 102–106 % (three alternated
+/// runs each).
 pub(super) const AHEAD: usize = 3072;
 
 /// Bytes ahead that the one-row kernels also request each line into the second-level cache
@@ -55,13 +56,6 @@ pub(super) unsafe fn per_half(low: i32, high: i32) -> __m512i {
 #[inline(always)]
 pub(super) unsafe fn word_pair(first: i32) -> __m512i {
     per_half(first, first + 1)
-}
-
-/// The eight bytes at `p` (a K-quant sub-block's eight scales, one per weight row) in both
-/// 64-bit halves, for a widening to the 16 lanes of both register halves.
-#[inline(always)]
-pub(super) unsafe fn bytes8_twice(p: *const u8) -> __m128i {
-    _mm_set1_epi64x(std::ptr::read_unaligned(p as *const i64))
 }
 
 /// Lanes `i` and `8 + i` added: the eight weight rows' sums.
