@@ -139,6 +139,26 @@ fn gated_pairs_need_matching_whole_groups() {
     assert!(GatedPacked::<BlockQ5_0x8>::from_bytes(8, 0, &[], &[]).is_none());
 }
 
+/// A gate/up pair of `rows × cols` matrices from a generator seeded with `seed`: the gate alone
+/// repacked, the pair fused, and `batch` random activation rows.
+fn gate_up_case<P: Interleaved>(
+    rows: usize,
+    cols: usize,
+    batch: usize,
+    seed: u64,
+) -> (PackedMatrix<P>, GatedPacked<P>, Vec<f32>) {
+    let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let gate = random_blocks::<P::Source>(rows * cols / len, &mut rng);
+    let up = random_blocks::<P::Source>(rows * cols / len, &mut rng);
+    let x: Vec<f32> = (0..batch * cols)
+        .map(|_| rng.random_range(-3.0..3.0))
+        .collect();
+    let plain = PackedMatrix::<P>::from_bytes(rows, cols, &gate).unwrap();
+    let gated = GatedPacked::<P>::from_bytes(rows, cols, &gate, &up).unwrap();
+    (plain, gated, x)
+}
+
 /// AMX's product of every interleaved format is the AVX-512 VNNI tiles', bit for bit, plain and
 /// gated: batches below and above the AMX threshold, one and several 16-row tiles, an odd
 /// last group, several weight slices. Where the CPU has no AMX, or the OS does not grant it,
@@ -164,14 +184,8 @@ fn check_amx<P: Interleaved>() {
         (24, 2, 6),
     ] {
         let cols = blocks * len;
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((rows * 5 + cols + batch) as u64);
-        let gate = random_blocks::<P::Source>(rows * blocks, &mut rng);
-        let up = random_blocks::<P::Source>(rows * blocks, &mut rng);
-        let x: Vec<f32> = (0..batch * cols)
-            .map(|_| rng.random_range(-3.0..3.0))
-            .collect();
-        let plain = PackedMatrix::<P>::from_bytes(rows, cols, &gate).unwrap();
-        let gated = GatedPacked::<P>::from_bytes(rows, cols, &gate, &up).unwrap();
+        let seed = (rows * 5 + cols + batch) as u64;
+        let (plain, gated, x) = gate_up_case::<P>(rows, cols, batch, seed);
         for kernel in [&plain as &dyn QuantKernel<Act = _>, &gated] {
             let mut want = vec![f32::NAN; batch * rows];
             kernel.matmul_with(Isa::Avx512Vnni, &x, &mut want);
@@ -201,14 +215,8 @@ fn check_row_bits<P: Interleaved>() {
     let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
     for (rows, blocks, batch) in [(8, 1, 9), (24, 3, 5), (16, 28, 6), (40, 5, 17)] {
         let cols = blocks * len;
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((rows * 7 + cols + batch) as u64);
-        let gate = random_blocks::<P::Source>(rows * blocks, &mut rng);
-        let up = random_blocks::<P::Source>(rows * blocks, &mut rng);
-        let x: Vec<f32> = (0..batch * cols)
-            .map(|_| rng.random_range(-3.0..3.0))
-            .collect();
-        let plain = PackedMatrix::<P>::from_bytes(rows, cols, &gate).unwrap();
-        let gated = GatedPacked::<P>::from_bytes(rows, cols, &gate, &up).unwrap();
+        let seed = (rows * 7 + cols + batch) as u64;
+        let (plain, gated, x) = gate_up_case::<P>(rows, cols, batch, seed);
         for kernel in [&plain as &dyn QuantKernel<Act = _>, &gated] {
             let n = kernel.rows();
             let alone = |isa: Isa| -> Vec<f32> {
