@@ -10,15 +10,17 @@ usage: emulated_isa.py LIBRARY CPU
            shows the emulator enforces the instruction set and the path really uses them
 
 The emulated CPU runs in 64-bit mode over this process's own memory: every 1 GiB region the
-process has mapped is one large page, numbered compactly in guest-physical space (the model's
-physical addresses are narrower than a host's virtual ones), and a guest-physical page is
-backed by the host page at the same offset of its region. A case is prepared natively, the
+process has mapped is one large page, numbered compactly in guest-physical space from 4 GiB up
+(the model's physical addresses are narrower than a host's virtual ones, and below 4 GiB its own
+local APIC answers at 0xFEE00000 in place of memory), and a guest-physical page is backed by the
+host page at the same offset of its region. A case is prepared natively, the
 function under test runs in the emulator on this thread's stack-free copy of the state (its
 own stack, this thread's TLS base), returns into a `hlt`, and is checked natively. Prints one
 line per case and exits non-zero on any mismatch or emulation fault.
 """
 
 import ctypes
+import faulthandler
 import os
 import subprocess
 import sys
@@ -63,6 +65,10 @@ mem = bochscpu.memory
 
 GIB = 1 << 30
 PAGE = 4096
+# The first guest-physical slot (in GiB). The emulated CPU serves its local APIC's page,
+# 0xFEE00000, itself: a region given the fourth slot would have its page at offset 0x3EE00000
+# read as APIC registers (an instruction fetch there gets no host page and crashes the emulator).
+FIRST_SLOT = 4
 # Indices of Bochs' CPU models in bochscpu's `cpu.model` list (their features are checked
 # below through CPUID, so a different list fails loudly).
 CPU_MODELS = {"tigerlake": 29, "sapphire_rapids": 30, "arrow_lake": 31}
@@ -105,7 +111,8 @@ class Fault(RuntimeError):
 class Emulator:
     def __init__(self, fs_base, model):
         self.fs_base = fs_base
-        self.slots = {}  # 1 GiB host region -> guest-physical slot (from 1)
+        self.slots = {}  # 1 GiB host region -> guest-physical slot (from FIRST_SLOT)
+        self.max_slots = None  # from the model's physical address width, once read
         self.tables = host_alloc(PAGE * 64)  # PML4, then one PDPT per 512 GiB
         self.pdpts = {}
         self.stack = host_alloc(1 << 20)
@@ -127,7 +134,10 @@ class Emulator:
                 if hi > 1 << 47:
                     continue
                 for region in range(lo >> 30, ((hi - 1) >> 30) + 1):
-                    self.slots.setdefault(region, len(self.slots) + 1)
+                    self.slots.setdefault(region, len(self.slots) + FIRST_SLOT)
+        if self.max_slots is not None and len(self.slots) + FIRST_SLOT > self.max_slots:
+            raise RuntimeError(f"{len(self.slots)} regions of 1 GiB mapped: past the model's "
+                               "guest-physical addresses")
         for region, slot in self.slots.items():
             top, mid = region >> 9, region & 511
             if top not in self.pdpts:
@@ -230,6 +240,7 @@ class Emulator:
 
 
 def main():
+    faulthandler.enable()  # a crash in the emulator names the case's Python line on stderr
     lib = ctypes.CDLL(sys.argv[1])
     model = sys.argv[2]
     lib.emu_cases.restype = ctypes.c_size_t
@@ -256,6 +267,7 @@ def main():
     if features != want:
         sys.exit(f"the emulated {model} has {features}, expected {want}: wrong `cpu.model` index?")
     print(f"emulated CPU: {model}, " + ", ".join(n for n, bit in features.items() if bit))
+    emu.max_slots = 1 << ((emu.eax_cpuid(0x80000008, 0) & 0xFF) - 30)
 
     run = ctypes.cast(lib.emu_run, ctypes.c_void_p).value
     msg = ctypes.create_string_buffer(512)
