@@ -145,6 +145,16 @@ fn bench_model_prints_a_table_with_its_header_and_breakdown() {
     ] {
         assert!(has(part), "{part} in {stdout}");
     }
+    let projections = stdout
+        .lines()
+        .find(|l| l.contains("the layers' matmuls:"))
+        .unwrap_or_else(|| panic!("no projections line in {stdout}"));
+    for name in ["q/k/v", "o", "gate/up", "down"] {
+        assert!(
+            projections.contains(&format!(" {name} ")),
+            "{name} in {projections}"
+        );
+    }
 }
 
 #[test]
@@ -199,6 +209,22 @@ fn bench_model_prints_json_lines() {
         assert!(
             close(all, layers.min(head)) && close(layers.max(head), all),
             "{row}"
+        );
+        // The layers' projections, each timed around its matmuls: together at least the
+        // layers' matmul time, each with weights streamed.
+        let projections = &row["breakdown"]["projections"];
+        let mut shares = 0.0;
+        for key in ["qkv", "attn_out", "gate_up", "down"] {
+            let (share, gb_s) = (
+                projections[key]["share"].as_f64().unwrap(),
+                projections[key]["gb_s"].as_f64().unwrap(),
+            );
+            assert!(share > 0.0 && gb_s > 0.0, "{key} in {row}");
+            shares += share;
+        }
+        assert!(
+            close(shares, part("matmul") - part("lm_head")),
+            "{shares} in {row}"
         );
     }
 }

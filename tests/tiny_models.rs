@@ -255,3 +255,36 @@ fn hidden_state_is_the_final_normed_state_the_lm_head_reads() {
         .unwrap();
     assert!(diff < 1e-4, "hidden · Eᵀ differs from the logits by {diff}");
 }
+
+/// The weights a decode step streams, split by projection: each projection's matrices (and
+/// q/k/v's biases) over every layer, counted here from the shapes and Q8_0's 34 bytes a
+/// 32-value block.
+#[test]
+fn streamed_weight_bytes_split_by_projection() {
+    let spec = TinySpec::new(Architecture::Qwen2);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    write_gguf(&spec, &path, &[GgmlDType::Q8_0]).unwrap();
+    let model = LoadedModel::load(&path, &Device::Cpu).unwrap().model;
+    let (h, ffn, layers) = (spec.hidden_size, spec.intermediate_size, spec.num_layers);
+    let (q, kv) = (
+        spec.num_heads * spec.head_dim(),
+        spec.num_kv_heads * spec.head_dim(),
+    );
+    let q8 = |rows: usize, cols: usize| rows * cols / 32 * 34;
+    // q/k/v with their f32 biases (Qwen2), o, gate and up, down.
+    let per_layer = [
+        q8(q + 2 * kv, h) + 4 * (q + 2 * kv),
+        q8(h, q),
+        2 * q8(ffn, h),
+        q8(h, ffn),
+    ];
+    assert_eq!(model.projection_bytes(), per_layer.map(|b| layers * b));
+    assert_eq!(model.lm_head_bytes(), q8(spec.vocab_size(), h));
+    // Besides: two f32 norms a layer and the final one.
+    let norms = (2 * layers + 1) * 4 * h;
+    assert_eq!(
+        model.streamed_weight_bytes(),
+        layers * per_layer.iter().sum::<usize>() + model.lm_head_bytes() + norms
+    );
+}

@@ -12,7 +12,7 @@ use clap::Args;
 use tokenrouter::kernels::large_buf::{self, LargeBuf};
 use tokenrouter::kernels::parallel::for_each_range;
 use tokenrouter::model::profile::{
-    measure, measure_with, set_breakdown, warm_up, Breakdown, Throughput, Workload,
+    measure, measure_with, set_breakdown, warm_up, Breakdown, Throughput, Workload, PROJECTIONS,
 };
 use tokenrouter::model::{KvDtype, MatmulBackend, Model};
 
@@ -43,8 +43,9 @@ pub struct BenchArgs {
     pub baseline_candle: bool,
     /// Also print where the decode steps' time goes: the quantized matmuls (and the LM head
     /// among them), attention, the residual adds and norms, rotary and the K/V write, SiLU
-    /// (where it runs after the gate/up matmul rather than in it), and everything else; and
-    /// the rate the matmuls stream weights (all of them, the layers', the LM head's).
+    /// (where it runs after the gate/up matmul rather than in it), and everything else; the
+    /// rate the matmuls stream weights (all of them, the layers', the LM head's); and each of
+    /// the layers' projections (q/k/v, o, gate/up, down): its share and its rate.
     #[arg(long)]
     breakdown: bool,
 }
@@ -77,6 +78,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let bytes = StepBytes {
         weights: model.streamed_weight_bytes() as f64,
         lm_head: model.lm_head_bytes() as f64,
+        projections: model.projection_bytes().map(|b| b as f64),
         kv_per_position: (2 * config.num_layers * config.kv_dim() * args.kv_dtype.size_in_bytes())
             as f64,
         prompt_len: args.prompt_len,
@@ -152,6 +154,8 @@ struct StepBytes {
     weights: f64,
     /// The LM head's part of `weights`.
     lm_head: f64,
+    /// The layers' projections' parts of `weights` (in the order of [`PROJECTIONS`]).
+    projections: [f64; PROJECTIONS.len()],
     kv_per_position: f64,
     prompt_len: usize,
 }
@@ -238,6 +242,13 @@ impl Row {
                 "matmul_gb_s": s.matmul_gb_s,
                 "layer_matmul_gb_s": s.layer_matmul_gb_s,
                 "lm_head_gb_s": s.lm_head_gb_s,
+                "projections": PROJECTION_KEYS
+                    .iter()
+                    .zip(&s.projections)
+                    .map(|(key, (share, gb_s))| {
+                        (key.to_string(), serde_json::json!({"share": share, "gb_s": gb_s}))
+                    })
+                    .collect::<serde_json::Map<_, _>>(),
             });
         }
         obj
@@ -280,9 +291,21 @@ impl Row {
                 s.layer_matmul_gb_s,
                 s.lm_head_gb_s,
             );
+            let each: Vec<String> = PROJECTION_NAMES
+                .iter()
+                .zip(&s.projections)
+                .map(|(name, (share, gb_s))| {
+                    format!("{name} {:.1} % at {gb_s:.2} GB/s", 100.0 * share)
+                })
+                .collect();
+            println!("{:>6} the layers' matmuls: {}", "", each.join(", "));
         }
     }
 }
+
+/// [`PROJECTIONS`] as the table names them, and as the JSON lines' keys.
+const PROJECTION_NAMES: [&str; PROJECTIONS.len()] = ["q/k/v", "o", "gate/up", "down"];
+const PROJECTION_KEYS: [&str; PROJECTIONS.len()] = ["qkv", "attn_out", "gate_up", "down"];
 
 /// A [`Breakdown`] as shares of the decode steps' time, and the matmuls' weight rate.
 struct Shares {
@@ -299,6 +322,9 @@ struct Shares {
     matmul_gb_s: f64,
     layer_matmul_gb_s: f64,
     lm_head_gb_s: f64,
+    /// Each of the layers' projections ([`PROJECTIONS`]): its share of the time and the GB/s
+    /// of weights through it.
+    projections: [(f64, f64); PROJECTIONS.len()],
 }
 
 impl Shares {
@@ -325,6 +351,10 @@ impl Shares {
             matmul_gb_s: gb_s(bytes.weights, parts.matmul),
             layer_matmul_gb_s: gb_s(bytes.weights - bytes.lm_head, parts.matmul - parts.lm_head),
             lm_head_gb_s: gb_s(bytes.lm_head, parts.lm_head),
+            projections: std::array::from_fn(|p| {
+                let secs = parts.projections[p];
+                (secs / total, gb_s(bytes.projections[p], secs))
+            }),
         }
     }
 }

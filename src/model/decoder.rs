@@ -14,7 +14,7 @@ use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
 use super::layers::{FusedLinear, GateUp, Linear, RmsNorm};
-use super::profile::{timed, Part};
+use super::profile::{projection_of, timed, Part, PROJECTIONS};
 use super::weights::{MatmulBackend, Weight, WeightSource};
 use crate::kernels::add_in_place;
 use crate::kernels::attention::AttentionSeq;
@@ -79,24 +79,38 @@ pub struct Model {
     streamed_bytes: usize,
     /// The LM head's share of `streamed_bytes`.
     lm_head_bytes: usize,
+    /// The layers' projections' shares of `streamed_bytes`, over every layer.
+    projection_bytes: [usize; PROJECTIONS.len()],
 }
 
 /// Counts the bytes of every matrix a decode step streams from memory.
 struct CountingSource<'a> {
     inner: &'a mut dyn WeightSource,
     bytes: usize,
+    /// The part of `bytes` in each of the layers' projections, in the order of
+    /// [`PROJECTIONS`].
+    projections: [usize; PROJECTIONS.len()],
     backend: MatmulBackend,
+}
+
+impl CountingSource<'_> {
+    fn count(&mut self, name: &str, bytes: usize) {
+        self.bytes += bytes;
+        if let Some(p) = projection_of(name) {
+            self.projections[p] += bytes;
+        }
+    }
 }
 
 impl WeightSource for CountingSource<'_> {
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
         let w = self.inner.matrix(name, rows, cols)?;
-        self.bytes += w.storage_bytes();
+        self.count(name, w.storage_bytes());
         Ok(w)
     }
     fn vector(&mut self, name: &str, len: usize) -> Result<Tensor> {
         let v = self.inner.vector(name, len)?;
-        self.bytes += len * 4;
+        self.count(name, len * 4);
         Ok(v)
     }
     fn contains(&self, name: &str) -> bool {
@@ -173,6 +187,7 @@ impl Model {
         let mut counting = CountingSource {
             inner: src,
             bytes: 0,
+            projections: [0; PROJECTIONS.len()],
             backend,
         };
         let layers = (0..config.num_layers)
@@ -220,6 +235,7 @@ impl Model {
             device: device.clone(),
             streamed_bytes,
             lm_head_bytes,
+            projection_bytes: counting.projections,
         })
     }
 
@@ -240,6 +256,13 @@ impl Model {
     /// The LM head's part of [`streamed_weight_bytes`](Self::streamed_weight_bytes).
     pub fn lm_head_bytes(&self) -> usize {
         self.lm_head_bytes
+    }
+
+    /// Each of the layers' projections' part of
+    /// [`streamed_weight_bytes`](Self::streamed_weight_bytes), over every layer, in the order
+    /// of [`PROJECTIONS`].
+    pub fn projection_bytes(&self) -> [usize; PROJECTIONS.len()] {
+        self.projection_bytes
     }
 
     /// Whether the embedding lookup reads the tied LM head's rows (the loaded embedding
@@ -374,17 +397,21 @@ impl Model {
             layer.attn.o.prefetch_ahead();
             let a = self.attention(&layer.attn, &h, i, &angles, &attn_seqs, kv)?;
             layer.mlp.gate_up.prefetch_ahead();
-            let a = layer.attn.o.forward_rows(&a, t)?;
+            let a = timed(Part::AttnOut, || layer.attn.o.forward_rows(&a, t))?;
             timed(Part::AddNorm, || {
                 layer.ffn_norm.add_forward(&mut x, Some(&a), &mut h)
             });
             layer.mlp.down.prefetch_ahead();
-            layer.mlp.gate_up.forward_into(&h, t, &mut gated)?;
+            timed(Part::GateUp, || {
+                layer.mlp.gate_up.forward_into(&h, t, &mut gated)
+            })?;
             match self.layers.get(i + 1) {
                 Some(next) => next.attn.qkv.prefetch_ahead(),
                 None => self.lm_head.prefetch_ahead(),
             }
-            ffn_out = Some(layer.mlp.down.forward_rows(&gated, t)?);
+            ffn_out = Some(timed(Part::Down, || {
+                layer.mlp.down.forward_rows(&gated, t)
+            })?);
         }
         if let Some(y) = ffn_out {
             timed(Part::AddNorm, || add_in_place(&mut x, &y));
@@ -407,7 +434,7 @@ impl Model {
         let t = x.len() / c.hidden_size;
         // The new rows' cache lines come in while the projection runs.
         kv.prefetch_slots(layer, seqs);
-        let qkv = attn.qkv.forward_rows(x, t)?;
+        let qkv = timed(Part::Qkv, || attn.qkv.forward_rows(x, t))?;
         let part = |i: usize, norm: &Option<RmsNorm>| {
             let mut y = Vec::with_capacity(t * qkv.row(i, 0).len());
             for r in 0..t {
