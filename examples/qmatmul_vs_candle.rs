@@ -2,11 +2,13 @@
 //! 5 calls each), so drift on a shared machine hits both sides alike. The criterion bench
 //! (`benches/qmatmul.rs`) measures each side on its own.
 //!
-//! `cargo run --release --example qmatmul_vs_candle [k|simple|big|stream]`, `BATCH=16` for one
-//! batch size. `stream` measures one activation row against enough copies of each matrix to
-//! overflow every cache (as a decode step streams its weights), each round paired with a plain
-//! read of as many bytes: the kernels' share of the memory bandwidth (`FORMAT=Q4_K` for one
-//! format).
+//! `cargo run --release --example qmatmul_vs_candle [k|simple|big|stream|cached]`, `BATCH=16`
+//! for one batch size. `stream` measures one activation row against enough copies of each
+//! matrix to overflow every cache (as a decode step streams its weights), each round paired
+//! with a plain read of as many bytes: the kernels' share of the memory bandwidth. `cached`
+//! runs one row against one matrix that stays in the caches (best of 7 rounds of 2000 calls):
+//! the kernel's own rate, with `TOKENROUTER_THREADS=1` one core's. `FORMAT=Q4_K` picks one
+//! format for either.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -86,23 +88,42 @@ fn compare<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize, batches: 
 
 /// One row through copies of a `[rows, cols]` matrix worth ~600 MB, against a plain read of as
 /// many bytes; the median of 15 paired rounds. Skipped unless `FORMAT` (when set) names the format.
-fn stream<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize) {
-    if std::env::var("FORMAT").is_ok_and(|f| f != B::NAME) {
-        return;
-    }
-    let dev = Device::Cpu;
-    let w = Tensor::randn(0f32, 0.05, (rows, cols), &dev).unwrap();
-    let bytes = QTensor::quantize(&w, dtype)
+/// Whether `FORMAT` (when set) names `B`.
+fn wanted<B: WeightBlock>() -> bool {
+    !std::env::var("FORMAT").is_ok_and(|f| f != B::NAME)
+}
+
+/// A random `rows × cols` matrix quantized to `dtype`, as ggml's bytes.
+fn quantized_bytes(dtype: GgmlDType, rows: usize, cols: usize) -> Vec<u8> {
+    let w = Tensor::randn(0f32, 0.05, (rows, cols), &Device::Cpu).unwrap();
+    QTensor::quantize(&w, dtype)
         .unwrap()
         .data()
         .unwrap()
-        .to_vec();
+        .to_vec()
+}
+
+/// Our kernel for `bytes`, as a model loads it (repacked where the format has an interleaved
+/// layout).
+fn own_kernel<B: WeightBlock>(
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+    bytes: &[u8],
+) -> Box<dyn OwnKernel> {
+    packed_kernel(dtype, rows, cols, bytes)
+        .unwrap_or_else(|| Box::new(QuantMatrix::<B>::from_bytes(rows, cols, bytes).unwrap()))
+}
+
+fn stream<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize) {
+    if !wanted::<B>() {
+        return;
+    }
+    let bytes = quantized_bytes(dtype, rows, cols);
     let copies = (600 << 20) / bytes.len();
-    let kernel = || -> Box<dyn OwnKernel> {
-        packed_kernel(dtype, rows, cols, &bytes)
-            .unwrap_or_else(|| Box::new(QuantMatrix::<B>::from_bytes(rows, cols, &bytes).unwrap()))
-    };
-    let kernels: Vec<_> = (0..copies).map(|_| kernel()).collect();
+    let kernels: Vec<_> = (0..copies)
+        .map(|_| own_kernel::<B>(dtype, rows, cols, &bytes))
+        .collect();
     let gb = (bytes.len() * copies) as f64 / 1e9;
     // On huge pages where the OS offers them, as the repacked weights are.
     let words = LargeBuf::from_fn(bytes.len() * copies / 8, |i| i as u64);
@@ -137,6 +158,32 @@ fn stream<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize) {
         B::NAME,
         100.0 * ratio,
         rounds.len()
+    );
+}
+
+/// One activation row against one matrix that stays in the caches: the kernel's own rate,
+/// with no memory stream to wait for.
+fn cached<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize) {
+    if !wanted::<B>() {
+        return;
+    }
+    let bytes = quantized_bytes(dtype, rows, cols);
+    let kernel = own_kernel::<B>(dtype, rows, cols, &bytes);
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut out = vec![0f32; rows];
+    let calls = 2000;
+    let mut best = 0f64;
+    for _ in 0..7 {
+        let t = Instant::now();
+        for _ in 0..calls {
+            kernel.matmul(&x, &mut out);
+        }
+        best = best.max((bytes.len() * calls) as f64 / 1e9 / t.elapsed().as_secs_f64());
+    }
+    println!(
+        "{} {rows}x{cols} one row, in cache: {best:.1} GB/s ({:.2} us a call)",
+        B::NAME,
+        bytes.len() as f64 / best / 1e3
     );
 }
 
@@ -178,6 +225,15 @@ fn main() {
         stream::<BlockQ4_1>(GgmlDType::Q4_1, 960, 576);
         stream::<BlockQ4_1>(GgmlDType::Q4_1, 3072, 576);
         stream::<BlockQ4_1>(GgmlDType::Q4_1, 576, 1536);
+    }
+    if which == "cached" {
+        cached::<BlockQ5_0>(GgmlDType::Q5_0, 1024, 896);
+        cached::<BlockQ8_0>(GgmlDType::Q8_0, 1024, 896);
+        cached::<BlockQ4_1>(GgmlDType::Q4_1, 1024, 896);
+        cached::<BlockQ4K>(GgmlDType::Q4K, 1024, 1536);
+        // The 1.5B's q/k/v.
+        cached::<BlockQ4K>(GgmlDType::Q4K, 2048, 1536);
+        cached::<BlockQ6K>(GgmlDType::Q6K, 1024, 1536);
     }
     if which.is_empty() || which == "simple" {
         // The 0.5B model's FFN up-projection.
