@@ -57,6 +57,9 @@ pub(super) unsafe fn dot_i8<D: ByteDot>(w: __m256i, a: __m256i, unsigned: bool) 
 pub trait ByteDot: 'static {
     /// Whether `dpbusd` is one instruction, so kernels keep 32-bit sums.
     const VNNI: bool;
+    /// Whether the interleaved tiles request their weights at the 512-bit one-row kernels'
+    /// distances, into L2 as well as L1 (the AVX-512 machines': see `x8::tile_prefetch_line`).
+    const L2_REQUESTS: bool = false;
     /// `acc + q · x` in 32-bit lanes.
     ///
     /// # Safety
@@ -90,6 +93,7 @@ impl ByteDot for AvxVnniDot {
 
 impl ByteDot for Avx512VnniDot {
     const VNNI: bool = true;
+    const L2_REQUESTS: bool = true;
     #[inline(always)]
     unsafe fn dpbusd(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, q, x)

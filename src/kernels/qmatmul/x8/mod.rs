@@ -209,6 +209,12 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     /// format, batches of 4 decoded 6–16 % slower in the three models; Q4_K and Q5_0 from 6,
     /// Q8_0 from 4 (each measured where it is set).
     const AMX_MIN_ROWS: usize = 8;
+    /// The most activation rows a 256-bit tile may hold and still request its weights into
+    /// L2 as well where [`ByteDot::L2_REQUESTS`](crate::kernels::qmatmul::ByteDot) (see
+    /// [`tile_prefetch_line`]): any number by default (the 32-value formats); 3 for the
+    /// K-quants, whose four-row tiles decoded the 1.5B's batches of 4 2–4 % slower with them
+    /// (three alternated rounds).
+    const L2_TILE_ROWS: usize = usize::MAX;
     /// Bytes deep its AMX products are: the values one set of scales covers.
     const AMX_DEPTH: usize = 32;
     /// `sums[r][c]` for `r < rows` (1 to 16) = activation row `r` (`kb` blocks each in
@@ -509,6 +515,29 @@ unsafe fn prefetch_line<P: Interleaved>(block: &P, line: usize) {
     prefetch_at::<{ std::arch::x86_64::_MM_HINT_T0 }, P>(block, P::PREFETCH_AHEAD, line)
 }
 
+/// The request of a `D` tile of `rows` activation rows for line `line` of `block` (as
+/// [`prefetch_line`] counts): where [`ByteDot::L2_REQUESTS`] and `rows` is at most the format's
+/// [`Interleaved::L2_TILE_ROWS`], the 512-bit one-row kernels' ([`zmm::prefetch_row_line`]),
+/// else [`prefetch_line`]. These tiles multiply two to seven rows (AMX takes more), and their
+/// arithmetic takes half the time their weights take to stream or more, so their stream, like
+/// one row's, wants more lines on their way than L1's requests keep. Batches of 2 decoded at
+/// 156–160 % of the batch-1 roofline against 141–147 (the 0.5B), 183–184 against 138–142
+/// (SmolLM2) and 136–144 against 129–135 (the 1.5B); batches of 3 to 5 1–10 % faster
+/// (alternated rounds).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_prefetch_line<P: Interleaved, D: crate::kernels::qmatmul::ByteDot>(
+    block: &P,
+    line: usize,
+    rows: usize,
+) {
+    if D::L2_REQUESTS && rows <= P::L2_TILE_ROWS {
+        zmm::prefetch_row_line(block, line);
+    } else {
+        prefetch_line(block, line);
+    }
+}
+
 /// As [`prefetch_line`], `ahead` bytes ahead instead of the format's distance, with the
 /// `_mm_prefetch` hint `HINT`.
 #[cfg(target_arch = "x86_64")]
@@ -522,7 +551,7 @@ unsafe fn prefetch_at<const HINT: i32, P>(block: &P, ahead: usize, line: usize) 
 /// 512-bit one-row kernels' distance ([`zmm::AHEAD`]) or the format's.
 fn prefetch_ahead_for<P: Interleaved>(isa: Isa, m: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if uses_row_zmm::<P>(isa, m) {
+    if uses_row_zmm::<P>(isa, m) || matches!(isa, Isa::Avx512Vnni | Isa::Amx) {
         return zmm::AHEAD;
     }
     P::PREFETCH_AHEAD

@@ -107,6 +107,7 @@ impl Interleaved for BlockQ4Kx8 {
     /// way, at 96–100 and 103–107 from 8 (three alternated rounds). Its Q6_K from 6 too was
     /// slower (100 and 109–110).
     const AMX_MIN_ROWS: usize = 6;
+    const L2_TILE_ROWS: usize = 3;
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn row_zmm(w: &[Self], acts: &[ActBlockK], kb: usize, sums: &mut [f32; ROWS]) {
@@ -276,22 +277,22 @@ mod zmm {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::{broadcast4, prefetch_line};
+    use super::super::{broadcast4, tile_prefetch_line};
     use super::{ActBlockK, BlockQ4Kx8, ROWS};
     use crate::kernels::qmatmul::avx2::{add16, dp16, scaled, scales};
     use crate::kernels::qmatmul::ByteDot;
 
     simd_tiles!(tile_body, [], BlockQ4Kx8, ActBlockK);
 
-    /// The line of a block (counted as [`prefetch_line`] counts) to request before load `step`
-    /// of the `steps` that the passes over sub-blocks `2p, 2p + 1` make, if any. A block is
-    /// 18½ lines, requested as 19 (with 18 the stream falls 32 bytes behind every block):
-    /// four lines of `qs` for each `p` and one of the tail for each but the last, spread evenly
-    /// over the loads. Requesting each `p`'s lines together before its loads left the loads
-    /// that followed without new requests: one row through 8960 × 1536 matrices streamed at
-    /// 77–80 % of a plain read on one thread that way and 84–86 % spread (83–87 and 89–91 % on
-    /// two), and the 1.5B decodes at batch 1 a median 3–4 % faster (the two alternated per
-    /// decode step in one process; batches of 4 and 16 within 1 %).
+    /// The line of a block (counted as [`prefetch_line`](super::super::prefetch_line) counts) to
+    /// request before load `step` of the `steps` that the passes over sub-blocks `2p` and `2p + 1`
+    /// make, if any. A block is 18½ lines, requested as 19 (with 18 the stream falls 32 bytes
+    /// behind every block): four lines of `qs` for each `p` and one of the tail for each but the
+    /// last, spread evenly over the loads. Requesting each `p`'s lines together before its loads
+    /// left the loads that followed without new requests: one row through 8960 × 1536 matrices
+    /// streamed at 77–80 % of a plain read on one thread that way and 84–86 % spread (83–87 and
+    /// 89–91 % on two), and the 1.5B decodes at batch 1 a median 3–4 % faster (the two alternated
+    /// per decode step in one process; batches of 4 and 16 within 1 %).
     #[inline(always)]
     fn prefetch_slot(p: usize, step: usize, steps: usize) -> Option<usize> {
         let lines = if p < 3 { 5 } else { 4 };
@@ -330,7 +331,7 @@ mod avx2 {
                     let mut part = [[[_mm256_setzero_si256(); T]; 2]; 2];
                     for g in 0..8 {
                         if let Some(line) = prefetch_slot(p, pass * 8 + g, 16 / halves) {
-                            prefetch_line(block, line);
+                            tile_prefetch_line::<_, D>(block, line, T);
                         }
                         let bits = _mm256_load_si256(
                             block.qs.as_ptr().add((p * 8 + g) * 32) as *const __m256i

@@ -50,6 +50,7 @@ impl BlockQ6Kx8 {
 impl Interleaved for BlockQ6Kx8 {
     type Source = BlockQ6K;
     const TILE_ROWS: usize = 8;
+    const L2_TILE_ROWS: usize = 3;
 
     fn pack(rows: [&BlockQ6K; ROWS]) -> Self {
         let mut out = Self {
@@ -229,7 +230,7 @@ mod zmm {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::{broadcast4, prefetch_line};
+    use super::super::{broadcast4, tile_prefetch_line};
     use super::{q_index, ActBlockK, BlockQ6Kx8, ROWS};
     use crate::kernels::qmatmul::avx2::{dp16, scaled, scales};
     use crate::kernels::qmatmul::ByteDot;
@@ -255,14 +256,14 @@ mod avx2 {
 
     simd_tiles!(tile_body, [], BlockQ6Kx8, ActBlockK);
 
-    /// The line of a block (counted as [`prefetch_line`] counts) that a one-row tile requests
-    /// at each of its 32 steps, if any: the 26½ lines of a block as 27 requests spread evenly.
-    /// Tiles of more rows request line `step` at every step, five lines of the next block
-    /// twice. One row through 8960 × 1536 and 151936 × 1536 matrices streamed 5–10 % faster
-    /// with these requests than with those (alternated in one process), and the 1.5B decodes
-    /// at batch 1 a median 4.3–4.6 % faster (alternated per decode step); but with the same
-    /// matrix kept in the last-level cache one row ran 14–17 % slower, and batches of 16
-    /// decoded 1.5 % slower, so more rows keep one request a step.
+    /// The line of a block (counted as [`prefetch_line`](super::super::prefetch_line) counts) that
+    /// a one-row tile requests at each of its 32 steps, if any: the 26½ lines of a block as 27
+    /// requests spread evenly. Tiles of more rows request line `step` at every step, five lines of
+    /// the next block twice. One row through 8960 × 1536 and 151936 × 1536 matrices streamed 5–10 %
+    /// faster with these requests than with those (alternated in one process), and the 1.5B decodes
+    /// at batch 1 a median 4.3–4.6 % faster (alternated per decode step); but with the same matrix
+    /// kept in the last-level cache one row ran 14–17 % slower, and batches of 16 decoded 1.5 %
+    /// slower, so more rows keep one request a step.
     pub(super) const ONE_ROW_LINES: [Option<u8>; 32] = {
         let mut lines = [None; 32];
         let mut step = 0;
@@ -299,9 +300,9 @@ mod avx2 {
                     for pair in 0..2 {
                         let step = (sub * 2 + half) * 2 + pair;
                         if T > 1 {
-                            prefetch_line(block, step);
+                            tile_prefetch_line::<_, D>(block, step, T);
                         } else if let Some(line) = ONE_ROW_LINES[step] {
-                            prefetch_line(block, line as usize);
+                            tile_prefetch_line::<_, D>(block, line as usize, T);
                         }
                         let g = 4 * half + 2 * pair;
                         let q0 = values(block, n, k, g);

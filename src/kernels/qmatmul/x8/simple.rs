@@ -517,7 +517,7 @@ impl SimpleX8 for BlockQ8_0x8 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::{broadcast4, prefetch_line};
+    use super::super::{broadcast4, tile_prefetch_line};
     use super::{ActBlock, ByteDot, SimpleX8, ROWS};
     pub(super) use crate::kernels::qmatmul::avx2::{add16, dp16, dp32, widen};
 
@@ -568,7 +568,7 @@ mod avx2 {
         for b in 0..kb {
             let block = w.get_unchecked(b);
             for line in 0..lines {
-                prefetch_line(block, line);
+                tile_prefetch_line::<S, D>(block, line, T);
             }
             let rows: [&ActBlock; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
             super::add_block(block, &rows, block.dot_i32::<T, D>(&rows), &mut acc);
