@@ -128,9 +128,10 @@ macro_rules! amx_pair {
             acts: &[crate::kernels::qmatmul::x8::Act<Self>],
             kb: usize,
             rows: usize,
+            stream: bool,
             sums: &mut [[f32; 16]; 16],
         ) {
-            $tile(w, acts, kb, rows, sums)
+            $tile(w, acts, kb, rows, stream, sums)
         }
     };
 }
@@ -219,7 +220,8 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     const AMX_DEPTH: usize = 32;
     /// `sums[r][c]` for `r < rows` (1 to 16) = activation row `r` (`kb` blocks each in
     /// `acts`) · weight row `c` of the pair of groups `w` (`w[0]`'s eight rows, then
-    /// `w[1]`'s, `kb` blocks each), through AMX tiles.
+    /// `w[1]`'s, `kb` blocks each), through AMX tiles; `stream`: the product's rows fit one
+    /// tile, so its weights come from memory once (see `amx::prefetch_pair`).
     ///
     /// # Safety
     /// [`Isa::Amx`] must be available and `AMX` true; it runs inside
@@ -231,9 +233,10 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
         acts: &[Act<Self>],
         kb: usize,
         rows: usize,
+        stream: bool,
         sums: &mut [[f32; AMX_TILE]; AMX_TILE],
     ) {
-        let _ = (w, acts, kb, rows, sums);
+        let _ = (w, acts, kb, rows, stream, sums);
         unreachable!("the format has no AMX path")
     }
 }
@@ -423,7 +426,15 @@ impl<P: Interleaved> PackedMatrix<P> {
         let kb = self.cols / block_len::<P>();
         let groups = self.rows / ROWS;
         let group = |g: usize| &self.blocks[g * kb..(g + 1) * kb];
-        self.for_each_tile(2, m, AMX_TILE, P::PREFETCH_AHEAD, |pairs, r| {
+        // A decode batch (one tile of rows) reads each weight once, from memory: its tiles
+        // request their weights as the one-row kernels do (`amx::prefetch_pair`).
+        let stream = m <= AMX_TILE;
+        let ahead = if stream {
+            zmm::AHEAD
+        } else {
+            P::PREFETCH_AHEAD
+        };
+        self.for_each_tile(2, m, AMX_TILE, ahead, |pairs, r| {
             let mut sums = [[0f32; AMX_TILE]; AMX_TILE];
             // The kernels take the tile's rows unchecked.
             assert!((1..=AMX_TILE).contains(&r.len()) && r.end * kb <= acts.len());
@@ -436,7 +447,7 @@ impl<P: Interleaved> PackedMatrix<P> {
                         let w = [group(2 * pair), group((2 * pair + 1).min(groups - 1))];
                         // SAFETY: inside `with_tiles` for the tile's rows; `w` holds `kb`
                         // blocks each.
-                        P::amx_pair(w, a, kb, r.len(), &mut sums);
+                        P::amx_pair(w, a, kb, r.len(), stream, &mut sums);
                         f(pair, r.clone(), &sums[..r.len()]);
                     }
                 })

@@ -141,6 +141,7 @@ mod amx {
         acts: &[ActBlockK],
         kb: usize,
         rows: usize,
+        stream: bool,
         sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
     ) {
         let Scratch { b, c } = scratch();
@@ -153,7 +154,7 @@ mod amx {
             // Chunk `8p + g` of each group's values: its low nibbles are values `4g..4g + 4`
             // of sub-block `2p`, its high ones of sub-block `2p + 1`.
             for p in 0..4 {
-                prefetch_pair(pair, p * lines / 4..(p + 1) * lines / 4);
+                prefetch_pair(pair, p * lines / 4..(p + 1) * lines / 4, stream);
                 let (lo, hi) = b[2 * p..2 * p + 2].split_at_mut(1);
                 for (g, (lo, hi)) in lo[0].iter_mut().zip(hi[0].iter_mut()).enumerate() {
                     let at = (p * 8 + g) * 32;

@@ -399,6 +399,7 @@ mod amx {
         acts: &[ActBlockK],
         kb: usize,
         rows: usize,
+        stream: bool,
         sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
     ) {
         // Row `g` of sub-block `sub`'s weight tile holds values `4g..4g + 4`; the 16-value
@@ -410,7 +411,7 @@ mod amx {
         for k in 0..kb {
             let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
             for (sub, tile) in b.iter_mut().enumerate() {
-                prefetch_pair(pair, sub * lines / 8..(sub + 1) * lines / 8);
+                prefetch_pair(pair, sub * lines / 8..(sub + 1) * lines / 8, stream);
                 let (n, q) = (sub / 4, sub % 4);
                 for (g, row) in tile.iter_mut().enumerate() {
                     let low = _mm512_castsi256_si512(values(pair[0], n, q, g));
