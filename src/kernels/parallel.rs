@@ -346,7 +346,7 @@ pub fn for_each_range_tail(n_items: usize, max_chunk: usize, f: impl Fn(Range<us
 }
 
 /// Says that the next parallel jobs will read `data` (the next matmul's weights, say): this
-/// pool's threads request its first [`AHEAD_LIMIT`] bytes into the caches while they wait
+/// pool's threads request its first `AHEAD_LIMIT` bytes into the caches while they wait
 /// (a worker for a job, the caller for the workers still inside one), so memory keeps
 /// streaming while the calling thread works alone between two jobs (a norm, rotary, the
 /// attention of a few heads). Replaces the region of an earlier call. A pool without workers

@@ -222,7 +222,7 @@ impl KvCache {
     }
 
     /// Requests into the caches the lines that [`write`](Self::write) will store the new
-    /// tokens' K/V rows of layer `layer` to (those of the first [`PREFETCH_SLOT_ROWS`] rows).
+    /// tokens' K/V rows of layer `layer` to (those of the first `PREFETCH_SLOT_ROWS` rows).
     /// A decode step's slots are cold, the weights having streamed through the caches since
     /// the last write, and each store to a missing line would wait for it in turn (about
     /// 2 µs a layer for SmolLM2's twelve lines); requested before the q/k/v projection, the

@@ -162,7 +162,7 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     type Source: WeightBlock;
     /// The most activation rows one tile multiplies (its sums stay in registers).
     const TILE_ROWS: usize;
-    /// Bytes ahead of the block being multiplied that the kernels request ([`prefetch_line`]):
+    /// Bytes ahead of the block being multiplied that the kernels request (`prefetch_line`):
     /// by default 3 KB, two and a half interleaved Q4_K super-blocks (1184 bytes each) or nearly
     /// two Q6_K ones (1696).
     const PREFETCH_AHEAD: usize = 3072;
@@ -212,7 +212,7 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     const AMX_MIN_ROWS: usize = 8;
     /// The most activation rows a 256-bit tile may hold and still request its weights into
     /// L2 as well where [`ByteDot::L2_REQUESTS`](crate::kernels::qmatmul::ByteDot) (see
-    /// [`tile_prefetch_line`]): any number by default (the 32-value formats); 3 for the
+    /// `tile_prefetch_line`): any number by default (the 32-value formats); 3 for the
     /// K-quants, whose four-row tiles decoded the 1.5B's batches of 4 2–4 % slower with them
     /// (three alternated rounds).
     const L2_TILE_ROWS: usize = usize::MAX;
