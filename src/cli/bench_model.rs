@@ -315,7 +315,7 @@ struct Shares {
     add_norm: f64,
     rotary_kv_write: f64,
     activation: f64,
-    /// Everything else: the embedding lookup, the rotary angles, the logits' copy, `argmax`,
+    /// Everything else: the embedding lookup, the rotary angles, `argmax` over the logits,
     /// the next matmul's prefetch hints, the gaps between parts.
     other: f64,
     /// GB/s of weights through all the matmuls, the layers' alone and the LM head's alone.

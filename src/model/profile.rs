@@ -8,7 +8,7 @@ use rand::{Rng, SeedableRng};
 
 use super::error::Result;
 use super::kv_cache::{KvCache, KvDtype};
-use super::runner::{logits_row, step, Sequence};
+use super::runner::{step, with_f32_values, Sequence};
 use super::sampler::argmax;
 use super::Model;
 
@@ -174,9 +174,12 @@ pub fn measure_with(
     take_breakdown();
     for s in 0..work.decode_steps {
         let started = Instant::now();
-        for (i, seq) in seqs.iter_mut().enumerate() {
-            seq.tokens.push(argmax(&logits_row(&logits, i)?));
-        }
+        let vocab = config.vocab_size;
+        with_f32_values(&logits, |rows| {
+            for (seq, row) in seqs.iter_mut().zip(rows.chunks_exact(vocab)) {
+                seq.tokens.push(argmax(row));
+            }
+        })?;
         logits = step(
             model,
             &mut kv,

@@ -3,7 +3,10 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use candle_core::Tensor;
+
 use super::*;
+use crate::model::runner::with_f32_values;
 
 /// Owned routing features of one batch.
 #[derive(Default)]
@@ -42,9 +45,14 @@ impl ModelWorker {
         }
         let plan = self.sched.schedule();
         if !plan.items.is_empty() {
-            match self.forward(&plan) {
-                Ok((logits, hidden)) => self.after_forward(&plan, &logits, &hidden, now),
-                Err(message) => self.fail_plan(&plan, &message),
+            let done = self.forward(&plan).and_then(|(logits, hidden)| {
+                with_f32_values(&logits, |logits| {
+                    self.after_forward(&plan, logits, &hidden, now)
+                })
+                .map_err(|e| format!("logits of model '{}': {e}", self.name))
+            });
+            if let Err(message) = done {
+                self.fail_plan(&plan, &message);
             }
             self.sched.publish_prefixes(&self.prefixes);
         }
@@ -58,9 +66,10 @@ impl ModelWorker {
     }
 
     /// Runs the batch over the blocks the scheduler assigned; returns its logits,
-    /// `[items, vocab]`, and (when the router reads them) hidden states, `[items, hidden]`.
-    /// A panic inside the model is caught and reported like an error.
-    fn forward(&mut self, plan: &Plan) -> Result<(Vec<f32>, Vec<f32>), String> {
+    /// `[items, vocab]` (read in place by [`with_f32_values`]), and (when the router reads
+    /// them) hidden states, `[items, hidden]`. A panic inside the model is caught and reported
+    /// like an error.
+    fn forward(&mut self, plan: &Plan) -> Result<(Tensor, Vec<f32>), String> {
         let inputs: Vec<SeqInput> = plan
             .items
             .iter()
@@ -77,7 +86,7 @@ impl ModelWorker {
         let kv = &mut self.kv;
         let failpoint = self.failpoint;
         let want_hidden = self.router.needs().hidden;
-        type Out = (Vec<f32>, Vec<f32>);
+        type Out = (Tensor, Vec<f32>);
         let run = catch_unwind(AssertUnwindSafe(|| -> crate::model::Result<Out> {
             if let Some(t) = failpoint.filter(|t| inputs.iter().any(|i| i.tokens.contains(t))) {
                 panic!("failpoint: token {t} reached the forward pass");
@@ -87,7 +96,7 @@ impl ModelWorker {
                 Some(h) => h.flatten_all()?.to_vec1::<f32>()?,
                 None => Vec::new(),
             };
-            Ok((out.logits.flatten_all()?.to_vec1::<f32>()?, hidden))
+            Ok((out.logits, hidden))
         }));
         self.stats.steps += 1;
         self.stats.batched_requests += plan.items.len() as u64;
