@@ -181,6 +181,7 @@ fn check_amx<P: Interleaved>() {
         (512, 36, 12),
         (32, 4, 7),
         (16, 3, 4),
+        (24, 2, 5),
         (24, 2, 6),
     ] {
         let cols = blocks * len;

@@ -206,9 +206,10 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     /// Whether the format has an AMX path ([`amx_pair`](Self::amx_pair)).
     const AMX: bool = false;
     /// The fewest activation rows a product takes AMX tiles for (with [`Isa::Amx`]); fewer
-    /// take the AVX-512 VNNI tiles. 8 by default (Q4_1, Q4_0, Q6_K): from 4 rows for every
-    /// format, batches of 4 decoded 6–16 % slower in the three models; Q4_K and Q5_0 from 6,
-    /// Q8_0 from 4 (each measured where it is set).
+    /// take the AVX-512 VNNI tiles. 8 by default (Q4_1, Q4_0, Q6_K; every format from 4 made
+    /// batches of 4 6–16 % slower in the three models, before decode batches' AMX tiles
+    /// requested their weights into L2); Q5_0 and Q8_0 from 4, Q4_K from 5 (each measured where
+    /// it is set).
     const AMX_MIN_ROWS: usize = 8;
     /// The most activation rows a 256-bit tile may hold and still request its weights into
     /// L2 as well where [`ByteDot::L2_REQUESTS`](crate::kernels::qmatmul::ByteDot) (see

@@ -103,10 +103,12 @@ impl Interleaved for BlockQ4Kx8 {
     }
 
     const ROW_ZMM: bool = true;
-    /// From 6 rows: the 1.5B decoded batches of 6 at 102–106 tok/s and of 7 at 114–116 that
-    /// way, at 96–100 and 103–107 from 8 (three alternated rounds). Its Q6_K from 6 too was
-    /// slower (100 and 109–110).
-    const AMX_MIN_ROWS: usize = 6;
+    /// From 5 rows. From 6 (against 8), the 1.5B decoded batches of 6 at 102–106 tok/s and of
+    /// 7 at 114–116, at 96–100 and 103–107 from 8 (three alternated rounds); its Q6_K from 6
+    /// too was slower (100 and 109–110). Once decode batches' AMX tiles requested their
+    /// weights into L2 (`amx::prefetch_pair`), from 5 its batches of 5 decoded at 100–104 tok/s
+    /// against 87–90 from 6 (four alternated rounds); from 4, batches of 4 were 1–3 % slower.
+    const AMX_MIN_ROWS: usize = 5;
     const L2_TILE_ROWS: usize = 3;
 
     #[cfg(target_arch = "x86_64")]

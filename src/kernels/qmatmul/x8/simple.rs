@@ -344,10 +344,13 @@ impl SimpleX8 for BlockQ5_0x8 {
     }
 
     const OFFSET: i32 = 16;
-    /// From 6 rows: the 0.5B (mostly Q5_0) decoded batches of 6 at 274–278 tok/s and of 7 at
-    /// 302–311 that way, at 259–261 and 278–285 from 8 (three alternated rounds); batches of 5
-    /// the same. Q4_1 from 6 was no faster for SmolLM2.
-    const AMX_MIN_ROWS: usize = 6;
+    /// From 4 rows. From 6 (against 8), the 0.5B (mostly Q5_0) decoded batches of 6 at 274–278
+    /// tok/s and of 7 at 302–311, at 259–261 and 278–285 from 8 (three alternated rounds). Once
+    /// decode batches' AMX tiles requested their weights into L2 (`amx::prefetch_pair`), from 4
+    /// (against 6) batches of 5 ran at 277–298 % of the batch-1 roofline against 242–267, of 4
+    /// at 243–249 against 230–243 (four alternated rounds, Q4_K from 4 or 5). Q4_1 from 6 was no
+    /// faster for SmolLM2.
+    const AMX_MIN_ROWS: usize = 4;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
