@@ -84,7 +84,7 @@ unsafe impl<P: Interleaved> QuantKernel for GatedPacked<P> {
         }
         let (rows, ahead) = (
             P::TILE_ROWS.min(MAX_TILE_ROWS),
-            prefetch_ahead_for::<P>(isa, m),
+            prefetch_ahead_for::<P>(isa),
         );
         self.pairs.for_each_tile(2, m, rows, ahead, |pairs, r| {
             let width = pairs.len() * ROWS;

@@ -355,7 +355,7 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
         }
         let (rows, ahead) = (
             P::TILE_ROWS.min(MAX_TILE_ROWS),
-            prefetch_ahead_for::<P>(isa, m),
+            prefetch_ahead_for::<P>(isa),
         );
         self.for_each_tile(1, m, rows, ahead, |groups, r| {
             let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
@@ -559,12 +559,15 @@ unsafe fn prefetch_at<const HINT: i32, P>(block: &P, ahead: usize, line: usize) 
     std::arch::x86_64::_mm_prefetch::<HINT>(at);
 }
 
-/// The bytes ahead that a product of `m` activation rows with `isa` requests its weights: the
-/// 512-bit one-row kernels' distance ([`zmm::AHEAD`]) or the format's.
-fn prefetch_ahead_for<P: Interleaved>(isa: Isa, m: usize) -> usize {
+/// The bytes ahead that a product outside the AMX tiles requests its weights with `isa`: with
+/// AVX-512 VNNI (`amx` included) the 512-bit one-row kernels' and the tiles' distance
+/// ([`zmm::AHEAD`]; the K-quants' tiles of more rows than `L2_TILE_ROWS` keep their own, the
+/// same 3 KB), else the format's.
+fn prefetch_ahead_for<P: Interleaved>(isa: Isa) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if uses_row_zmm::<P>(isa, m) || matches!(isa, Isa::Avx512Vnni | Isa::Amx) {
+    if matches!(isa, Isa::Avx512Vnni | Isa::Amx) {
         return zmm::AHEAD;
     }
+    let _ = isa;
     P::PREFETCH_AHEAD
 }
