@@ -217,6 +217,9 @@ fn main() {
         stream::<BlockQ4K>(GgmlDType::Q4K, 2048, 1536);
         stream::<BlockQ4K>(GgmlDType::Q4K, 1536, 1536);
         stream::<BlockQ5_0>(GgmlDType::Q5_0, 4864, 896);
+        // The 0.5B's q/k together, and o.
+        stream::<BlockQ5_0>(GgmlDType::Q5_0, 1024, 896);
+        stream::<BlockQ5_0>(GgmlDType::Q5_0, 896, 896);
         stream::<BlockQ8_0>(GgmlDType::Q8_0, 4864, 896);
         stream::<BlockQ8_0>(GgmlDType::Q8_0, 151936, 896);
         stream::<BlockQ4_1>(GgmlDType::Q4_1, 1536, 576);

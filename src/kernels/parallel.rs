@@ -107,9 +107,17 @@ impl Shared {
 }
 
 /// One parallel call: items `0..n` handed out from `cursor` in shrinking chunks (guided
-/// self-scheduling): a grab takes `1 / spread` of the items left, at least `min_chunk`. Large
-/// first chunks keep each thread on one long stretch of memory; small last ones let the
-/// threads finish together, so none idles while another works through a big final chunk.
+/// self-scheduling): a grab takes `1 / spread` of the items left (`spread` is the number of
+/// threads), at least `min_chunk`. Large first chunks keep each thread on one long stretch of
+/// memory; small last ones let the threads finish together, so none idles while another works
+/// through a big final chunk.
+///
+/// Every grab starts a new stretch: its first lines come in before the kernels' requests
+/// ahead reach them, and its last requests run past its end. Taking a quarter of the items
+/// left instead (two grabs per thread share), one activation row through Q5_0 matrices of
+/// 0.5–0.6 MB streamed at 65–69 % of a plain read against 72–79 % now, 4864 × 896 at 82 %
+/// against 83–88 %, and the 0.5B decoded at batch 1 at 82 % of the roofline against 85–87 %
+/// (three alternated rounds on the Xeon).
 struct Job<'a> {
     f: &'a (dyn Fn(Range<usize>) + Sync),
     n: usize,
@@ -210,7 +218,7 @@ impl ComputePool {
         let job = Job {
             f: &f,
             n: n_items,
-            spread: 2 * threads,
+            spread: threads,
             min_chunk: min_chunk.max(1),
             cursor: AtomicUsize::new(0),
         };

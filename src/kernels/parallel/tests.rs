@@ -47,30 +47,26 @@ fn every_item_once_with_any_chunk_floor() {
         for_each_range_tail(1000, 1000, |r| {
             largest.fetch_max(r.len(), Ordering::Relaxed);
         });
-        // The first grab takes a quarter; a floor of 1000 would have taken everything.
+        // The first grab takes a half; a floor of 1000 would have taken everything.
         assert!(largest.load(Ordering::Relaxed) < 1000);
     });
 }
 
-/// Chunks shrink from a quarter of the items (two threads) to the floor, cover every item
-/// once in order, and end exactly at `n`.
+/// Chunks shrink from half the items (two threads) to the floor, cover every item once in
+/// order, and end exactly at `n`.
 #[test]
 fn chunks_shrink_to_the_floor() {
     let f = |_: Range<usize>| {};
     let job = Job {
         f: &f,
         n: 1000,
-        spread: 4,
+        spread: 2,
         min_chunk: 32,
         cursor: AtomicUsize::new(0),
     };
     let chunks: Vec<Range<usize>> = std::iter::from_fn(|| job.grab()).collect();
     let sizes: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
-    assert_eq!(
-        sizes,
-        [250, 187, 140, 105, 79, 59, 45, 33, 32, 32, 32, 6],
-        "guided sizes"
-    );
+    assert_eq!(sizes, [500, 250, 125, 62, 32, 31], "guided sizes");
     assert!(chunks.windows(2).all(|w| w[0].end == w[1].start));
     assert_eq!((chunks[0].start, chunks.last().unwrap().end), (0, 1000));
 }
