@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's CPU benchmarks from the source that the llama-cpp-python package ships on
+# PyPI, and runs them on the fetched models, so `tokenrouter bench-model`'s figures can be set
+# against llama.cpp's on the same machine, files and thread count.
+#
+#   scripts/llama-cpp-bench.sh [MODEL.gguf ...]      (default: every model in models/)
+#
+# THREADS (default 2) sets the threads of both benchmarks. The build goes to
+# target/llama.cpp/ and is reused. It uses the CPU's AVX2, AVX-512 (F, VBMI, VNNI, BF16) and
+# AVX-VNNI where present, never AMX: ggml's AMX kernels stop with SIGILL at a `tileloadd` on
+# the Xeon VM this was written on, as a `-DGGML_NATIVE=ON` build does there.
+# Printed: llama-bench's prompt (pp64) and batch-1 decode (tg32) rates, three repetitions,
+# then llama-batched-bench's decode rate S_TG summed over 1, 4, 8 and 16 sequences (64-token
+# prompts, 32 new tokens each): bench-model's `--batch 1,4,8,16 --decode-steps 32`.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+version=0.3.36
+sha=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+url="https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-$version.tar.gz"
+work="$root/target/llama.cpp"
+src="$work/llama_cpp_python-$version/vendor/llama.cpp"
+bin="$src/build/bin"
+threads="${THREADS:-2}"
+
+die() { echo "llama-cpp-bench: $*" >&2; exit 1; }
+for tool in curl tar sha256sum c++ make; do
+  command -v "$tool" >/dev/null || die "$tool is required"
+done
+
+if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-batched-bench" ]; then
+  mkdir -p "$work"
+  tarball="$work/llama_cpp_python-$version.tar.gz"
+  if ! [ -f "$tarball" ] || [ "$(sha256sum "$tarball" | cut -d' ' -f1)" != "$sha" ]; then
+    echo "llama-cpp-bench: downloading llama-cpp-python $version (its sdist holds llama.cpp)"
+    curl -fsSL -o "$tarball" "$url" || die "download of $url failed"
+    [ "$(sha256sum "$tarball" | cut -d' ' -f1)" = "$sha" ] || die "$tarball: sha256 mismatch"
+  fi
+  tar -xzf "$tarball" -C "$work"
+  if ! command -v cmake >/dev/null; then
+    python3 -m pip install -q cmake || python3 -m pip install -q --break-system-packages cmake \
+      || die "cmake is required (pip install cmake)"
+  fi
+  flags=$(grep -m1 '^flags' /proc/cpuinfo)
+  has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
+  echo "llama-cpp-bench: building llama-bench and llama-batched-bench (a few minutes)"
+  cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+    -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" \
+    -DGGML_F16C="$(has f16c)" -DGGML_BMI2="$(has bmi2)" -DGGML_AVX512="$(has avx512f)" \
+    -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)" \
+    -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AVX_VNNI="$(has avx_vnni)" \
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF >"$work/cmake.log" 2>&1 \
+    || die "cmake configure failed, see $work/cmake.log"
+  cmake --build "$src/build" -j"$(nproc)" --target llama-bench llama-batched-bench \
+    >"$work/build.log" 2>&1 || die "build failed, see $work/build.log"
+fi
+
+models=("$@")
+if [ ${#models[@]} -eq 0 ]; then
+  models=("$root"/models/*.gguf)
+  [ -e "${models[0]}" ] || die "no models in $root/models (run scripts/fetch-models.sh)"
+fi
+for model in "${models[@]}"; do
+  [ -f "$model" ] || die "$model: no such file"
+  echo "== $(basename "$model"), $threads threads"
+  "$bin/llama-bench" -m "$model" -t "$threads" -p 64 -n 32 -r 3 2>/dev/null | grep -E '^\|'
+  "$bin/llama-batched-bench" -m "$model" -t "$threads" -tb "$threads" -c 2048 \
+    -npp 64 -ntg 32 -npl 1,4,8,16 2>/dev/null | grep -E '^\|'
+done
