@@ -112,12 +112,13 @@ impl Shared {
 /// memory; small last ones let the threads finish together, so none idles while another works
 /// through a big final chunk.
 ///
-/// Every grab starts a new stretch: its first lines come in before the kernels' requests
-/// ahead reach them, and its last requests run past its end. Taking a quarter of the items
-/// left instead (two grabs per thread share), one activation row through Q5_0 matrices of
-/// 0.5–0.6 MB streamed at 65–69 % of a plain read against 72–79 % now, 4864 × 896 at 82 %
-/// against 83–88 %, and the 0.5B decoded at batch 1 at 82 % of the roofline against 85–87 %
-/// (three alternated rounds on the Xeon).
+/// Every grab starts a new stretch of memory: its first lines come in before the kernels'
+/// requests ahead reach them, and the requests at the end of the thread's previous stretch ran
+/// past it. With grabs of a quarter of the items left (twice as many), one activation row
+/// through Q5_0 matrices of 0.5–0.6 MB streamed at 65–69 % of a plain read against 72–79 %
+/// with halves, 4864 × 896 at 82 % against 83–88 %, and the 0.5B decoded at batch 1 at 82–83 %
+/// of the roofline against 85–88 % (five alternated rounds on the Intel Xeon). Work stealing
+/// (one share per thread) and exact halves (no balancing) did no better.
 struct Job<'a> {
     f: &'a (dyn Fn(Range<usize>) + Sync),
     n: usize,
