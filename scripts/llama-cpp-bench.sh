@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's CPU benchmarks from the source that the llama-cpp-python package ships on
-# PyPI, and runs them on the fetched models, so `tokenrouter bench-model`'s figures can be set
-# against llama.cpp's on the same machine, files and thread count.
+# Builds llama.cpp's CPU benchmarks from the source that the llama-cpp-python package ships as
+# its source distribution on PyPI (fetched with pip by name and version), and runs them on the
+# fetched models, so `tokenrouter bench-model`'s figures can be set against llama.cpp's on the
+# same machine, files and thread count.
 #
 #   scripts/llama-cpp-bench.sh [MODEL.gguf ...]      (default: every model in models/)
 #
@@ -17,14 +18,13 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 version=0.3.36
 sha=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
-url="https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-$version.tar.gz"
 work="$root/target/llama.cpp"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 bin="$src/build/bin"
 threads="${THREADS:-2}"
 
 die() { echo "llama-cpp-bench: $*" >&2; exit 1; }
-for tool in curl tar sha256sum c++ make; do
+for tool in python3 tar sha256sum c++ make; do
   command -v "$tool" >/dev/null || die "$tool is required"
 done
 
@@ -33,7 +33,14 @@ if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-batched-bench" ]; then
   tarball="$work/llama_cpp_python-$version.tar.gz"
   if ! [ -f "$tarball" ] || [ "$(sha256sum "$tarball" | cut -d' ' -f1)" != "$sha" ]; then
     echo "llama-cpp-bench: downloading llama-cpp-python $version (its sdist holds llama.cpp)"
-    curl -fsSL -o "$tarball" "$url" || die "download of $url failed"
+    rm -f "$tarball"
+    # pip reads the sdist's metadata through its build backend (installed as wheels into a
+    # throwaway environment) but builds nothing. `--no-binary=:all:` would also apply to the
+    # backend's own requirements and compile CMake from source, hence the package name.
+    python3 -m pip download --quiet --no-deps --disable-pip-version-check \
+      --no-binary=llama-cpp-python -d "$work" "llama-cpp-python==$version" \
+      || die "pip download of llama-cpp-python==$version failed"
+    [ -f "$tarball" ] || die "pip did not leave $tarball"
     [ "$(sha256sum "$tarball" | cut -d' ' -f1)" = "$sha" ] || die "$tarball: sha256 mismatch"
   fi
   tar -xzf "$tarball" -C "$work"
