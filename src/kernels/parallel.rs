@@ -1,13 +1,15 @@
 //! How kernels spread work over threads: a [`ComputePool`] of persistent workers in which the
-//! calling thread takes part. Each model actor installs a pool of its own on its thread
-//! ([`install`]), so a model's kernels run on its share of the cores and never wait for
-//! another model's; a thread without one uses a process-wide pool over every core.
+//! calling thread takes part. The model actors of one device install that device's pool on
+//! their threads ([`install`]) and take turns through its executor, so no two pools ever
+//! compute on the same cores at once; a pool for a core set pins its threads there
+//! ([`ComputePool::pinned`]). A thread without a pool uses a process-wide one over every core.
 //!
 //! Workers spin for a short while after each job (the next matmul of a forward pass follows
 //! within microseconds), after requesting any announced prefetch region (below), and then
-//! park, so an idle model's workers leave the cores to the others. The caller never waits for
-//! a worker that has not started: a job is closed when its items are all taken, and workers
-//! that arrive later skip it.
+//! park, so an idle device costs no CPU. The caller never waits for a worker that has not
+//! started: a job is closed when its items are all taken, and workers that arrive later skip
+//! it. A caller waiting for workers still inside a job spins as long as they do, then parks
+//! until the last one leaves (a preempted worker must not cost a core of spinning).
 //!
 //! A waiting thread need not idle: [`prefetch_ahead`] names the memory the next job will
 //! read, and the pool's threads request it into the caches while they wait, so a decode
@@ -18,7 +20,8 @@ use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::thread::JoinHandle;
+use std::thread::{JoinHandle, Thread};
+use std::time::Duration;
 
 /// Spins of a worker waiting for the next job before it parks (tens of microseconds, counted
 /// once any prefetch region is requested).
@@ -49,6 +52,10 @@ struct Shared {
     job: AtomicPtr<Job<'static>>,
     stop: AtomicBool,
     panicked: AtomicBool,
+    /// Set while the caller is parked waiting for `active` to drain: the worker that leaves
+    /// last wakes `waiter`.
+    caller_parked: AtomicBool,
+    waiter: Mutex<Option<Thread>>,
     /// The memory the next jobs will read ([`prefetch_ahead`]): the address of the next
     /// chunk a waiting worker requests, and the end. Only a hint: prefetches never fault, so
     /// a stale or torn pair costs at most some useless requests.
@@ -65,6 +72,8 @@ impl Shared {
             job: AtomicPtr::new(std::ptr::null_mut()),
             stop: AtomicBool::new(false),
             panicked: AtomicBool::new(false),
+            caller_parked: AtomicBool::new(false),
+            waiter: Mutex::new(None),
             ahead_next: AtomicUsize::new(0),
             ahead_end: AtomicUsize::new(0),
         }
@@ -165,13 +174,27 @@ impl ComputePool {
     /// A pool of `threads` compute threads (at least 1: the caller alone), its workers named
     /// `{name}-{i}`.
     pub fn new(threads: usize, name: &str) -> Arc<Self> {
+        Self::pinned(threads, name, &[])
+    }
+
+    /// [`new`](Self::new) with worker `i` pinned to `cores[i % cores.len()]` (no pinning when
+    /// `cores` is empty). Callers pin themselves with [`pin_current_thread`].
+    pub fn pinned(threads: usize, name: &str, cores: &[usize]) -> Arc<Self> {
         let shared = Arc::new(Shared::new());
         let workers = (1..threads.max(1))
             .map(|i| {
                 let shared = shared.clone();
+                let core = (!cores.is_empty()).then(|| cores[i % cores.len()]);
                 std::thread::Builder::new()
                     .name(format!("{name}-{i}"))
-                    .spawn(move || worker(&shared))
+                    .spawn(move || {
+                        if let Some(core) = core {
+                            if let Err(e) = pin_current_thread(&[core]) {
+                                tracing::warn!(core, "cannot pin a compute thread: {e}");
+                            }
+                        }
+                        worker(&shared)
+                    })
                     .expect("cannot start a compute thread")
             })
             .collect();
@@ -240,11 +263,7 @@ impl ComputePool {
         // Every item is taken (ours ran dry): close the job, then wait for the workers
         // still inside it.
         s.closed.store(generation, Ordering::SeqCst);
-        while s.active.load(Ordering::SeqCst) != 0 {
-            if !s.prefetch_some() {
-                std::hint::spin_loop();
-            }
-        }
+        s.wait_for_workers();
         if let Err(payload) = mine {
             std::panic::resume_unwind(payload);
         }
@@ -291,8 +310,80 @@ fn worker(s: &Shared) {
                 s.panicked.store(true, Ordering::SeqCst);
             }
         }
-        s.active.fetch_sub(1, Ordering::SeqCst);
+        if s.active.fetch_sub(1, Ordering::SeqCst) == 1 && s.caller_parked.load(Ordering::SeqCst) {
+            if let Some(caller) = s.waiter.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                caller.unpark();
+            }
+        }
     }
+}
+
+impl Shared {
+    /// The caller's wait for the workers still inside a closed job: spinning (requesting the
+    /// next job's memory) while they finish their last chunks, then parked, so a worker
+    /// preempted mid-chunk costs a time slice of latency but no core. The flag and `active`
+    /// are both sequentially consistent: either the caller sees `active` drained or the last
+    /// worker sees the flag and wakes it; the timeout only guards against the unexpected.
+    fn wait_for_workers(&self) {
+        let mut spins = 0u32;
+        while self.active.load(Ordering::SeqCst) != 0 {
+            if self.prefetch_some() {
+                continue;
+            }
+            if spins < SPIN_LIMIT {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            *self.waiter.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::thread::current());
+            self.caller_parked.store(true, Ordering::SeqCst);
+            while self.active.load(Ordering::SeqCst) != 0 {
+                std::thread::park_timeout(Duration::from_millis(1));
+            }
+            self.caller_parked.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Pins the calling thread to `cores` (Linux; elsewhere a no-op).
+pub fn pin_current_thread(cores: &[usize]) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: `set` is a plain bit set on the stack, sized as the call says.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for &c in cores {
+                libc::CPU_SET(c, &mut set);
+            }
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cores;
+    Ok(())
+}
+
+/// The cores this process may run on, in order (every core up to the count where the set
+/// cannot be read).
+pub fn process_cores() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: as in `pin_current_thread`.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
+                let cores: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+                    .filter(|&c| libc::CPU_ISSET(c, &set))
+                    .collect();
+                if !cores.is_empty() {
+                    return cores;
+                }
+            }
+        }
+    }
+    (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect()
 }
 
 impl Drop for ComputePool {
