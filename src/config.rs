@@ -9,6 +9,9 @@ use serde::Deserialize;
 use crate::kernels::attention::MAX_BLOCK_SIZE;
 use crate::model::KvDtype;
 
+mod device;
+pub use device::DeviceSpec;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config {path}: {source}")]
@@ -39,13 +42,13 @@ pub struct Config {
     pub compute: ComputeSettings,
 }
 
-/// How the cores are shared among the models' compute threads.
+/// How models placed on `device = "cpu"` share the cores.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ComputeSettings {
-    /// For models without `threads`: `shared` (each gets every core; an idle model's threads
-    /// park, so the busy one has the machine) or `by-size` (the cores split between them in
-    /// proportion to their weight bytes, never more threads than cores).
+    /// `shared`: they form one device over every core, with one compute pool, and take turns
+    /// step by step. `by-size`: each becomes a device of its own, on a disjoint set of cores
+    /// sized in proportion to its weight bytes, and they run side by side.
     pub split: CoreSplit,
 }
 
@@ -102,9 +105,14 @@ pub struct ModelEntry {
     /// has waited `scheduler.max_wait_ms`).
     #[serde(default = "default_batch_threshold")]
     pub batch_threshold: usize,
-    /// Compute threads of this model's kernels. Unset: as `[compute] split` says.
+    /// Compute threads of this model's device (models sharing a device must agree). Unset:
+    /// one per core of the device.
     #[serde(default)]
     pub threads: Option<usize>,
+    /// Where the model computes: `cpu` (default), `cpu:A-B` (these cores, threads pinned) or
+    /// `cuda:N`. Models naming the same device take turns on it.
+    #[serde(default)]
+    pub device: DeviceSpec,
 }
 
 fn default_batch_threshold() -> usize {
@@ -331,10 +339,11 @@ impl Config {
             }
             if m.threads == Some(0) {
                 return Err(format!(
-                    "models[{i}].threads must be at least 1 (or left out to follow [compute] split)"
+                    "models[{i}].threads must be at least 1 (or left out: one per core of the device)"
                 ));
             }
         }
+        self.validate_devices()?;
         self.validate_routing()?;
         let paired = self.models.len() == 2
             && self.role_index(Role::Slm).is_some()
@@ -371,6 +380,54 @@ impl Config {
                 "kv_cache.block_size = {bs}: must be between 1 and {MAX_BLOCK_SIZE}"
             ));
         }
+        Ok(())
+    }
+
+    /// Devices never overlap unless they are the same device, models on one device agree on
+    /// its threads, and no device needs a backend this build lacks.
+    fn validate_devices(&self) -> Result<(), String> {
+        for (i, m) in self.models.iter().enumerate() {
+            if let DeviceSpec::Cuda(_) = m.device {
+                return Err(format!(
+                    "models[{i}].device = \"{}\": this build has no CUDA backend; use \"cpu\" or a core set such as \"cpu:0-7\"",
+                    m.device
+                ));
+            }
+            for (j, o) in self.models[..i].iter().enumerate() {
+                if o.device != m.device && o.device.overlaps(&m.device) {
+                    return Err(format!(
+                        "models[{j}].device = \"{}\" and models[{i}].device = \"{}\" share cores; give them the same device (they take turns) or disjoint core sets (they run side by side)",
+                        o.device, m.device
+                    ));
+                }
+                if o.device == m.device
+                    && o.threads.is_some()
+                    && m.threads.is_some()
+                    && o.threads != m.threads
+                {
+                    return Err(format!(
+                        "models[{j}] and models[{i}] share device \"{}\" but ask for different threads; models on one device share its compute pool",
+                        m.device
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps only model `name`, served alone (`routing.algorithm = "single"`, fixed
+    /// thresholds).
+    pub fn serve_alone(&mut self, name: &str) -> Result<(), String> {
+        let Some(entry) = self.model(name).cloned() else {
+            let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+            return Err(format!(
+                "--single {name}: the config has no model of that name (models: {})",
+                names.join(", ")
+            ));
+        };
+        self.models = vec![entry];
+        self.routing = RoutingConfig::Single { model: None };
+        self.scheduler.thresholds = ThresholdSource::Fixed;
         Ok(())
     }
 
@@ -586,5 +643,23 @@ mod tests {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.toml");
         let config = Config::load(&path).unwrap();
         assert!(config.model("slm").is_some() && config.model("llm").is_some());
+    }
+
+    #[test]
+    fn overlapping_devices_and_missing_backends_are_rejected() {
+        let two = |a: &str, b: &str| {
+            format!(
+                "[[models]]\nname = \"a\"\npath = \"a.gguf\"\ndevice = \"{a}\"\n\
+                 [[models]]\nname = \"b\"\npath = \"b.gguf\"\ndevice = \"{b}\"\n"
+            )
+        };
+        assert!(load_str(&two("cpu", "cpu")).is_ok());
+        assert!(load_str(&two("cpu:0", "cpu:1")).is_ok());
+        let err = load_str(&two("cpu", "cpu:1")).unwrap_err().to_string();
+        assert!(err.contains("share cores"), "{err}");
+        let err = load_str(&two("cpu:0-1", "cuda:0")).unwrap_err().to_string();
+        assert!(err.contains("no CUDA backend"), "{err}");
+        let err = load_str(&two("tpu", "cpu")).unwrap_err().to_string();
+        assert!(err.contains("device \"tpu\""), "{err}");
     }
 }

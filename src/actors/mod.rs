@@ -3,6 +3,7 @@
 //! ([`worker::ModelWorker`], [`request::RequestState`]) that hold all state and logic, so the
 //! actor library could be replaced without touching scheduling or routing.
 
+pub mod executor;
 pub mod messages;
 pub mod model_actor;
 pub mod request;

@@ -1,21 +1,37 @@
-//! The model actor: delivers mailbox messages to its [`ModelWorker`] and schedules its steps.
-//! It runs on its own arbiter thread, so forward passes block only this model; its mailbox is
-//! drained between steps (actix polls the mailbox before self-notifications).
+//! The model actor: delivers mailbox messages to its [`ModelWorker`] and computes a step when
+//! its device's executor grants one. It runs on its own arbiter thread and drains its mailbox
+//! while it waits for a grant, so the batch it plans at grant time holds every request that
+//! reached it meanwhile. Its handoffs leave before it reports the step's end, so a peer on the
+//! same device has them in its mailbox before the executor can grant it a step.
 
 use std::time::Instant;
 
-use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient, SpawnHandle};
+use actix::{Actor, Addr, AsyncContext, Context, Handler, Message, Recipient};
 
+use super::executor::{Ask, DeviceExecutor, Grant, StepDone};
 use super::messages::{Abort, PeerMessage, Submit};
 use super::worker::{ModelWorker, WorkerStats};
-use crate::scheduler::Launch;
+use crate::scheduler::StepAsk;
 use crate::tuning::online::{solve_point, OperatingPoint};
+
+/// A model's place on its device: the executor and its slot there, and the slot of every
+/// model (by index) that shares the device.
+#[derive(Clone)]
+pub struct DeviceSeat {
+    pub executor: Addr<DeviceExecutor>,
+    pub slot: usize,
+    pub peer_slots: Vec<Option<usize>>,
+}
 
 pub struct ModelActor {
     worker: ModelWorker,
     peers: Vec<Option<Recipient<PeerMessage>>>,
-    step_queued: bool,
-    timer: Option<(Instant, SpawnHandle)>,
+    seat: DeviceSeat,
+    /// The ask the executor holds for this model (`None`: none, or a step granted and not yet
+    /// reported).
+    asked: Option<StepAsk>,
+    /// When this model started waiting for the device.
+    waiting_since: Option<Instant>,
 }
 
 /// Gives a model actor its peers, indexed by model (its own slot is ignored).
@@ -27,10 +43,6 @@ pub struct Wire(pub Vec<Recipient<PeerMessage>>);
 #[rtype(result = "WorkerStats")]
 pub struct GetStats;
 
-#[derive(Message)]
-#[rtype(result = "()")]
-struct Step;
-
 /// A threshold solution computed off the actor's thread.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -40,17 +52,35 @@ struct Solved {
 }
 
 impl ModelActor {
-    pub fn new(worker: ModelWorker) -> Self {
+    pub fn new(worker: ModelWorker, seat: DeviceSeat) -> Self {
         Self {
             worker,
             peers: Vec::new(),
-            step_queued: false,
-            timer: None,
+            seat,
+            asked: None,
+            waiting_since: None,
         }
     }
 
-    /// Delivers queued peer messages, starts any threshold solve, and arranges the next step.
+    /// Delivers queued peer messages, starts any threshold solve, runs any empty lock-step
+    /// round, and keeps the executor's ask current.
     fn settle(&mut self, ctx: &mut Context<Self>) {
+        self.start_retune(ctx);
+        while self.worker.empty_round_due() {
+            self.worker.step();
+        }
+        let ask = self.next_ask(Instant::now());
+        self.flush(ask.is_none());
+        if ask.map(Key::of) != self.asked.map(Key::of) {
+            self.asked = ask;
+            self.seat.executor.do_send(Ask {
+                slot: self.seat.slot,
+                ask,
+            });
+        }
+    }
+
+    fn start_retune(&mut self, ctx: &mut Context<Self>) {
         if let Some((point, profile)) = self.worker.retune() {
             // Solving takes up to a second; the actor keeps serving with its current threshold.
             let addr = ctx.address();
@@ -59,36 +89,35 @@ impl ModelActor {
                 addr.do_send(Solved { point, best });
             });
         }
-        let now = Instant::now();
-        let launch = self.worker.next_launch(now);
-        for (to, msg) in self.worker.take_outbox(launch == Launch::Idle) {
+    }
+
+    /// The worker's ask, waiting since the first time it had one.
+    fn next_ask(&mut self, now: Instant) -> Option<StepAsk> {
+        let since = *self.waiting_since.get_or_insert(now);
+        let ask = self.worker.step_ask(since);
+        if ask.is_none() {
+            self.waiting_since = None;
+        }
+        ask
+    }
+
+    /// Sends the queued peer messages.
+    fn flush(&mut self, idle: bool) {
+        for (to, msg) in self.worker.take_outbox(idle) {
             if let Some(Some(peer)) = self.peers.get(to) {
                 peer.do_send(msg);
             }
         }
-        if self.step_queued {
-            return;
-        }
-        match launch {
-            Launch::Idle => {}
-            Launch::Now => {
-                if let Some((_, handle)) = self.timer.take() {
-                    ctx.cancel_future(handle);
-                }
-                self.step_queued = true;
-                ctx.notify(Step);
-            }
-            Launch::At(at) => {
-                if self.timer.as_ref().is_some_and(|(t, _)| *t <= at) {
-                    return;
-                }
-                if let Some((_, handle)) = self.timer.take() {
-                    ctx.cancel_future(handle);
-                }
-                let handle = ctx.notify_later(Step, at.saturating_duration_since(now));
-                self.timer = Some((at, handle));
-            }
-        }
+    }
+}
+
+/// What makes an ask new to the executor (the wait start stays while the model waits).
+#[derive(PartialEq, Eq)]
+struct Key(usize, usize, Instant);
+
+impl Key {
+    fn of(a: StepAsk) -> Self {
+        Self(a.ready, a.threshold, a.deadline)
     }
 }
 
@@ -127,20 +156,36 @@ impl Handler<Abort> for ModelActor {
     }
 }
 
-impl Handler<Step> for ModelActor {
+impl Handler<Grant> for ModelActor {
     type Result = ();
-    fn handle(&mut self, _: Step, ctx: &mut Context<Self>) {
-        self.step_queued = false;
-        if self
-            .timer
-            .as_ref()
-            .is_some_and(|(t, _)| *t <= Instant::now())
+    fn handle(&mut self, _: Grant, ctx: &mut Context<Self>) {
+        self.asked = None;
+        self.waiting_since = None;
         {
-            self.timer = None;
+            let _span = tracing::debug_span!("step", model = self.worker.name()).entered();
+            self.worker.step();
         }
-        let _span = tracing::debug_span!("step", model = self.worker.name()).entered();
-        self.worker.step(Instant::now());
-        self.settle(ctx);
+        self.start_retune(ctx);
+        while self.worker.empty_round_due() {
+            self.worker.step();
+        }
+        let ask = self.next_ask(Instant::now());
+        // Handoffs leave before the step's end is reported (see the module header).
+        self.flush(ask.is_none());
+        let handed = self
+            .worker
+            .take_handed()
+            .into_iter()
+            .enumerate()
+            .filter(|&(_, n)| n > 0)
+            .filter_map(|(to, n)| Some((self.seat.peer_slots.get(to).copied().flatten()?, n)))
+            .collect();
+        self.asked = ask;
+        self.seat.executor.do_send(StepDone {
+            slot: self.seat.slot,
+            ask,
+            handed,
+        });
     }
 }
 

@@ -192,6 +192,7 @@ impl RequestHandle {
     }
 }
 
+mod placement;
 mod start;
 mod threads;
 pub use start::load_models;

@@ -20,12 +20,13 @@ use crate::routing::{
     Arrival, BatchFeatures, Candidate, ModelIndex, Resume, Route, RoutingAlgorithm, StepView,
 };
 use crate::scheduler::{
-    DelayedBatching, Launch, LaunchPolicy, LockStep, Plan, PublishedPrefixes, RequestId, Scheduler,
-    SchedulerLimits,
+    DelayedBatching, LaunchPolicy, LockStep, Plan, PublishedPrefixes, ReadyQueue, RequestId,
+    Scheduler, SchedulerLimits, StepAsk,
 };
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, OperatingPoint};
 
-/// How a worker decides to launch: by its own launch policy, or in lock-step with its peers.
+/// What a worker asks its device for: steps by its own launch policy, or in lock-step with its
+/// peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stepping {
     Async(LaunchPolicy),
@@ -109,6 +110,8 @@ pub struct ModelWorker {
     unsent: Vec<i64>,
     last_sent: Vec<Instant>,
     outbox: Vec<(ModelIndex, PeerMessage)>,
+    /// Requests handed to each model since the last [`ModelWorker::take_handed`].
+    handed: Vec<usize>,
     stats: WorkerStats,
     healthy: Arc<AtomicBool>,
     prefixes: Arc<PublishedPrefixes>,
@@ -149,6 +152,7 @@ impl ModelWorker {
             unsent: vec![0; setup.num_models],
             last_sent: vec![now; setup.num_models],
             outbox: Vec::new(),
+            handed: vec![0; setup.num_models],
             healthy: setup.healthy,
             prefixes: setup.prefixes,
             online: setup.online,
@@ -318,21 +322,40 @@ impl ModelWorker {
         std::mem::take(&mut self.outbox)
     }
 
-    /// When the next step should run.
-    pub fn next_launch(&self, now: Instant) -> Launch {
+    /// The step this model asks its device for, having waited since `since`; `None` when it
+    /// has nothing to compute (or, in lock-step, must wait for its peers' round).
+    pub fn step_ask(&self, since: Instant) -> Option<StepAsk> {
         let (ready, oldest) = self.sched.ready();
+        let queue = ReadyQueue {
+            ready,
+            oldest,
+            active: self.active.max(0) as usize,
+        };
         match self.stepping {
-            Stepping::Async(LaunchPolicy::Delayed(d)) if self.online.is_some() => {
+            Stepping::Async(LaunchPolicy::Delayed(d)) => {
                 let threshold = self.online.as_ref().map_or(d.threshold, |o| o.current());
-                let policy = LaunchPolicy::Delayed(DelayedBatching { threshold, ..d });
-                policy.decide(ready, oldest, now, self.active.max(0) as usize)
+                LaunchPolicy::Delayed(DelayedBatching { threshold, ..d }).ask(queue, since)
             }
-            Stepping::Async(policy) => {
-                policy.decide(ready, oldest, now, self.active.max(0) as usize)
+            Stepping::Async(policy) => policy.ask(queue, since),
+            Stepping::Sync if self.lockstep.may_start(ready > 0) => {
+                LaunchPolicy::Eager.ask(queue, since)
             }
-            Stepping::Sync if self.lockstep.may_start(ready > 0) => Launch::Now,
-            Stepping::Sync => Launch::Idle,
+            Stepping::Sync => None,
         }
+    }
+
+    /// Lock-step only: this model has nothing to compute but a peer moved a round ahead, so
+    /// it takes part with an empty round (no compute, no device step).
+    pub fn empty_round_due(&self) -> bool {
+        self.stepping == Stepping::Sync
+            && self.sched.ready().0 == 0
+            && self.lockstep.may_start(false)
+    }
+
+    /// Requests handed to each model (by index) since the last call.
+    pub fn take_handed(&mut self) -> Vec<usize> {
+        let zero = vec![0; self.handed.len()];
+        std::mem::replace(&mut self.handed, zero)
     }
 
     /// Online thresholds: moves to the solution for the current operating point; returns a

@@ -1,9 +1,13 @@
-//! When a model launches its next step: eagerly, or by delayed batching (wait until at least
-//! `threshold` requests are ready, or until the oldest ready one has waited `max_wait`). The
+//! What a model asks of its device's executor: eagerly (a step as soon as anything is ready),
+//! or by delayed batching (a step once at least `threshold` requests are ready, or once the
+//! oldest ready one has waited `max_wait` since it arrived for this visit). The wait counts per
+//! visit, not per step: a request that stays for k tokens waits at most `max_wait` in all. The
 //! threshold never exceeds the number of requests active in the whole system, since more could
 //! never become ready.
 
 use std::time::{Duration, Instant};
+
+use super::executor::StepAsk;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LaunchPolicy {
@@ -17,38 +21,39 @@ pub struct DelayedBatching {
     pub max_wait: Duration,
 }
 
+/// A model's queue as its launch policy reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Launch {
-    /// Nothing is ready.
-    Idle,
-    Now,
-    /// Launch at this time unless more requests become ready first.
-    At(Instant),
+pub struct ReadyQueue {
+    /// Requests with work here.
+    pub ready: usize,
+    /// When the longest-waiting of them arrived for its current visit.
+    pub oldest: Option<Instant>,
+    /// This model's estimate of the requests active system-wide.
+    pub active: usize,
 }
 
 impl LaunchPolicy {
-    /// `ready`: requests with work here; `oldest`: when the longest-waiting of them became
-    /// ready; `active`: this model's estimate of the requests active system-wide.
-    pub fn decide(
-        &self,
-        ready: usize,
-        oldest: Option<Instant>,
-        now: Instant,
-        active: usize,
-    ) -> Launch {
-        let Some(oldest) = oldest.filter(|_| ready > 0) else {
-            return Launch::Idle;
+    /// The step this model asks for, waiting for the device since `since`; `None` when
+    /// nothing is ready.
+    pub fn ask(&self, queue: ReadyQueue, since: Instant) -> Option<StepAsk> {
+        let oldest = queue.oldest.filter(|_| queue.ready > 0)?;
+        let (threshold, deadline) = match self {
+            Self::Eager => (1, oldest),
+            Self::Delayed(d) => (d.threshold.min(queue.active.max(1)), oldest + d.max_wait),
         };
+        Some(StepAsk {
+            ready: queue.ready,
+            threshold,
+            deadline,
+            since,
+        })
+    }
+
+    /// The longest a ready request is held back.
+    pub fn max_wait(&self) -> Duration {
         match self {
-            Self::Eager => Launch::Now,
-            Self::Delayed(d) => {
-                let deadline = oldest + d.max_wait;
-                if ready >= d.threshold.min(active.max(1)) || deadline <= now {
-                    Launch::Now
-                } else {
-                    Launch::At(deadline)
-                }
-            }
+            Self::Eager => Duration::ZERO,
+            Self::Delayed(d) => d.max_wait,
         }
     }
 }
@@ -66,26 +71,45 @@ mod tests {
         })
     }
 
+    fn queue(ready: usize, oldest: Instant, active: usize) -> ReadyQueue {
+        ReadyQueue {
+            ready,
+            oldest: Some(oldest),
+            active,
+        }
+    }
+
     #[test]
-    fn delayed_batching_waits_for_the_threshold_or_the_deadline() {
+    fn delayed_batching_waits_for_the_threshold_or_the_visit_deadline() {
         let t0 = Instant::now();
         let p = delayed(4);
-        assert_eq!(p.decide(0, None, t0, 8), Launch::Idle);
-        assert_eq!(p.decide(2, Some(t0), t0, 8), Launch::At(t0 + WAIT));
-        assert_eq!(p.decide(4, Some(t0), t0, 8), Launch::Now);
-        assert_eq!(p.decide(2, Some(t0), t0 + WAIT, 8), Launch::Now);
+        let empty = ReadyQueue {
+            ready: 0,
+            oldest: None,
+            active: 8,
+        };
+        assert_eq!(p.ask(empty, t0), None);
+        let a = p.ask(queue(2, t0, 8), t0 + WAIT / 2).unwrap();
+        assert_eq!(
+            (a.threshold, a.deadline, a.since),
+            (4, t0 + WAIT, t0 + WAIT / 2)
+        );
+        assert!(!a.eligible(t0 + WAIT / 2));
+        assert!(a.eligible(t0 + WAIT), "the visit's deadline passed");
+        assert!(p.ask(queue(4, t0, 8), t0).unwrap().eligible(t0));
     }
 
     #[test]
     fn the_threshold_is_capped_by_the_active_requests() {
         let t0 = Instant::now();
-        assert_eq!(delayed(4).decide(2, Some(t0), t0, 2), Launch::Now);
-        assert_eq!(delayed(4).decide(1, Some(t0), t0, 0), Launch::Now);
+        assert!(delayed(4).ask(queue(2, t0, 2), t0).unwrap().eligible(t0));
+        assert!(delayed(4).ask(queue(1, t0, 0), t0).unwrap().eligible(t0));
     }
 
     #[test]
-    fn eager_launches_whenever_anything_is_ready() {
+    fn eager_asks_are_eligible_at_once() {
         let t0 = Instant::now();
-        assert_eq!(LaunchPolicy::Eager.decide(1, Some(t0), t0, 16), Launch::Now);
+        let a = LaunchPolicy::Eager.ask(queue(1, t0, 16), t0).unwrap();
+        assert!(a.eligible(t0));
     }
 }

@@ -19,6 +19,7 @@
 //! request that fits the pool on its own always makes progress.
 
 mod block_pool;
+mod executor;
 mod launch;
 mod lockstep;
 mod published;
@@ -27,7 +28,8 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 pub use block_pool::{chain_hash, BlockPool, PrefixHash};
-pub use launch::{DelayedBatching, Launch, LaunchPolicy};
+pub use executor::{Decision, DeviceQueue, StepAsk};
+pub use launch::{DelayedBatching, LaunchPolicy, ReadyQueue};
 pub use lockstep::LockStep;
 pub use published::PublishedPrefixes;
 
@@ -71,7 +73,9 @@ struct Entry {
     /// Leading blocks already offered to the prefix index.
     registered: usize,
     away: bool,
-    ready_since: Instant,
+    /// When the current visit began (admission or the return from a peer): delayed batching
+    /// holds a request at most its longest wait per visit, not per step.
+    visit_since: Instant,
     /// Admission order: lower is older and goes first.
     arrival: u64,
 }
@@ -155,7 +159,7 @@ impl Scheduler {
             hashes: Vec::new(),
             registered: 0,
             away: false,
-            ready_since: now,
+            visit_since: now,
             arrival,
         };
         entry.set_tokens(tokens, self.limits.block_size);
@@ -179,7 +183,7 @@ impl Scheduler {
         };
         e.set_tokens(tokens, self.limits.block_size);
         e.away = false;
-        e.ready_since = now;
+        e.visit_since = now;
         self.release_blocks(blocks);
     }
 
@@ -320,11 +324,10 @@ impl Scheduler {
     }
 
     /// `id` committed its sampled token here (`tokens` includes it) and stays: ready for the
-    /// next decode.
-    pub fn commit(&mut self, id: RequestId, tokens: &[u32], now: Instant) {
+    /// next decode, in the same visit.
+    pub fn commit(&mut self, id: RequestId, tokens: &[u32]) {
         if let Some(e) = self.entries.get_mut(&id) {
             e.set_tokens(tokens, self.limits.block_size);
-            e.ready_since = now;
         }
     }
 
@@ -345,13 +348,13 @@ impl Scheduler {
         }
     }
 
-    /// Requests ready here and when the longest-waiting of them became ready.
+    /// Requests ready here and when the visit of the longest-waiting of them began.
     pub fn ready(&self) -> (usize, Option<Instant>) {
         let ready = self.entries.values().filter(|e| e.ready());
         let (n, oldest) = ready.fold((0, None::<Instant>), |(n, o), e| {
             (
                 n + 1,
-                Some(o.map_or(e.ready_since, |o| o.min(e.ready_since))),
+                Some(o.map_or(e.visit_since, |o| o.min(e.visit_since))),
             )
         });
         (n.min(self.limits.max_batch_requests), oldest)

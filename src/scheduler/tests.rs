@@ -43,7 +43,7 @@ impl Sim {
         self.s.advance(&plan);
         for item in plan.items.iter().filter(|i| i.samples) {
             self.push(item.id);
-            self.s.commit(item.id, &self.tokens[&item.id], self.now);
+            self.s.commit(item.id, &self.tokens[&item.id]);
         }
         plan
     }
@@ -223,4 +223,23 @@ fn ready_counts_and_the_oldest_wait() {
     assert_eq!(s.ready(), (2, Some(t0)));
     s.leave(2, &[4, 5, 6]);
     assert_eq!(s.ready(), (1, Some(t1)));
+}
+
+#[test]
+fn a_request_that_stays_keeps_the_start_of_its_visit() {
+    let t0 = Instant::now();
+    let later = t0 + std::time::Duration::from_millis(50);
+    let mut s = Scheduler::new(limits(8));
+    s.add(1, &[1, 2, 3], t0);
+    let plan = s.schedule();
+    s.advance(&plan);
+    s.commit(1, &[1, 2, 3, 4]);
+    assert_eq!(
+        s.ready(),
+        (1, Some(t0)),
+        "a decode step does not start a new visit"
+    );
+    s.leave(1, &[1, 2, 3, 4]);
+    s.resume(1, &[1, 2, 3, 4, 5], false, later);
+    assert_eq!(s.ready(), (1, Some(later)), "the return from a peer does");
 }

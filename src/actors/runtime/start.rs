@@ -1,10 +1,15 @@
 //! Starting the runtime and talking to it.
 
-use super::threads::thread_budget;
+use super::placement::{plan_devices, DevicePlan, ModelPlacement};
 use super::*;
-use crate::config::{CoreSplit, Role, ThresholdSource};
-use crate::kernels::parallel::{available_cores, install, with_pool, ComputePool};
+use crate::actors::executor::{Attach, DeviceExecutor};
+use crate::actors::model_actor::DeviceSeat;
+use crate::config::{Role, ThresholdSource};
+use crate::kernels::parallel::{
+    available_cores, install, pin_current_thread, process_cores, with_pool, ComputePool,
+};
 use crate::model::profile::{step_latencies, warm_up};
+use crate::scheduler::DeviceQueue;
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, MAX_TUNED_CONCURRENCY};
 
 /// Loads every configured model, naming the model in any error.
@@ -71,7 +76,10 @@ impl Runtime {
                 mib = share.bytes >> 20, "KV cache share");
         }
         let s = &config.scheduler;
-        let pools = compute_pools(config, &models);
+        let devices = start_devices(config, &models)?;
+        let pools: Vec<Arc<ComputePool>> = (0..models.len())
+            .map(|i| devices.of_model(i).pool.clone())
+            .collect();
         // The first forward pass of a model pays for lazy set-up (weight repacking, page
         // faults, thread-pool start); pay it here rather than in the first request's latency.
         for ((entry, model), pool) in config.models.iter().zip(&models).zip(&pools) {
@@ -129,18 +137,37 @@ impl Runtime {
         let max_context = workers.iter().map(ModelWorker::max_len).min().unwrap_or(0);
         let mut arbiters = Vec::new();
         let mut addrs = Vec::new();
-        for (worker, pool) in workers.into_iter().zip(pools) {
+        for (index, worker) in workers.into_iter().enumerate() {
+            let device = devices.of_model(index);
+            let pool = device.pool.clone();
+            let pinned = device.plan.pinned.clone();
+            let seat = devices.seat(index);
             let arbiter = Arbiter::new();
             addrs.push(ModelActor::start_in_arbiter(&arbiter.handle(), move |_| {
-                // This runs on the actor's thread: its forward passes use its own pool.
+                // This runs on the actor's thread: its forward passes use its device's pool.
+                if !pinned.is_empty() {
+                    if let Err(e) = pin_current_thread(&pinned) {
+                        tracing::warn!("cannot pin a model thread to its cores: {e}");
+                    }
+                }
                 install(pool);
-                ModelActor::new(worker)
+                ModelActor::new(worker, seat)
             }));
             arbiters.push(arbiter);
         }
         for addr in &addrs {
             addr.do_send(Wire(addrs.iter().map(|a| a.clone().recipient()).collect()));
         }
+        for device in &devices.devices {
+            let grants = device
+                .plan
+                .models
+                .iter()
+                .map(|&i| addrs[i].clone().recipient())
+                .collect();
+            device.executor.do_send(Attach(grants));
+        }
+        arbiters.extend(devices.arbiters);
         let lead = models[home].clone();
         let shared = RuntimeShared {
             model_names: config.models.iter().map(|m| m.name.clone()).collect(),
@@ -207,28 +234,102 @@ impl RuntimeShared {
     }
 }
 
-/// One compute pool per model, sized by [`thread_budget`]; the split is logged.
-fn compute_pools(config: &Config, models: &[Arc<LoadedModel>]) -> Vec<Arc<ComputePool>> {
-    let requested: Vec<Option<usize>> = config.models.iter().map(|m| m.threads).collect();
-    let bytes: Vec<usize> = models
-        .iter()
-        .map(|m| m.model.streamed_weight_bytes())
-        .collect();
-    let cores = available_cores();
-    let budget = thread_budget(&requested, &bytes, cores, config.compute.split);
-    if config.compute.split == CoreSplit::BySize && budget.iter().sum::<usize>() > cores {
-        tracing::warn!(?budget, cores, "model compute threads outnumber the cores");
+/// The started devices: each one's plan, compute pool and executor.
+struct Devices {
+    devices: Vec<StartedDevice>,
+    /// Device of each model, by index.
+    device_of: Vec<usize>,
+    arbiters: Vec<Arbiter>,
+}
+
+struct StartedDevice {
+    plan: DevicePlan,
+    pool: Arc<ComputePool>,
+    executor: Addr<DeviceExecutor>,
+}
+
+impl Devices {
+    fn of_model(&self, index: usize) -> &StartedDevice {
+        &self.devices[self.device_of[index]]
     }
-    config
+
+    /// Model `index`'s seat at its device's executor.
+    fn seat(&self, index: usize) -> DeviceSeat {
+        let device = self.of_model(index);
+        let slot_of = |m: usize| device.plan.models.iter().position(|&x| x == m);
+        DeviceSeat {
+            executor: device.executor.clone(),
+            slot: slot_of(index).expect("placed on its device"),
+            peer_slots: (0..self.device_of.len()).map(slot_of).collect(),
+        }
+    }
+}
+
+/// Places the models on devices and starts each device's compute pool and executor; the
+/// placement is logged.
+fn start_devices(config: &Config, models: &[Arc<LoadedModel>]) -> Result<Devices, RuntimeError> {
+    let placements: Vec<ModelPlacement> = config
         .models
         .iter()
-        .zip(budget)
-        .map(|(m, threads)| {
-            let kernels = crate::model::MatmulBackend::from_env().kernels();
-            tracing::info!(model = %m.name, threads, cores, kernels, "compute threads");
-            ComputePool::new(threads, &m.name)
+        .zip(models)
+        .map(|(m, model)| ModelPlacement {
+            device: m.device.clone(),
+            threads: m.threads,
+            weight_bytes: model.model.streamed_weight_bytes(),
         })
-        .collect()
+        .collect();
+    let plans = plan_devices(
+        &placements,
+        &process_cores(),
+        available_cores(),
+        config.compute.split,
+    )
+    .map_err(RuntimeError::Config)?;
+    let s = &config.scheduler;
+    let mut device_of = vec![0; models.len()];
+    let mut devices = Vec::new();
+    let mut arbiters = Vec::new();
+    for (d, plan) in plans.into_iter().enumerate() {
+        let names: Vec<&str> = plan
+            .models
+            .iter()
+            .map(|&i| config.models[i].name.as_str())
+            .collect();
+        let kernels = crate::model::MatmulBackend::from_env().kernels();
+        tracing::info!(device = %plan.spec, threads = plan.threads, models = ?names, kernels,
+            "device");
+        let settings: Vec<(usize, Duration)> = plan
+            .models
+            .iter()
+            .map(|&i| match s.mode {
+                SchedulingMode::Delayed => (
+                    config.models[i].batch_threshold,
+                    Duration::from_millis(s.max_wait_ms),
+                ),
+                _ => (1, Duration::ZERO),
+            })
+            .collect();
+        for &i in &plan.models {
+            device_of[i] = d;
+        }
+        let pool = ComputePool::pinned(plan.threads, &format!("compute{d}"), &plan.pinned);
+        let arbiter = Arbiter::new();
+        let (name, queue) = (plan.spec.to_string(), DeviceQueue::new(&settings));
+        let executor = DeviceExecutor::start_in_arbiter(&arbiter.handle(), move |_| {
+            DeviceExecutor::new(name, queue)
+        });
+        arbiters.push(arbiter);
+        devices.push(StartedDevice {
+            plan,
+            pool,
+            executor,
+        });
+    }
+    Ok(Devices {
+        devices,
+        device_of,
+        arbiters,
+    })
 }
 
 /// With `thresholds = "auto"`: the step latencies of the SLM and the LLM, measured now.
@@ -263,9 +364,8 @@ fn online_profile(
     let profile = LatencyProfile {
         slm: measure(slm)?,
         llm: measure(llm)?,
-        // Models on the CPU share cores unless their thread budgets fit side by side.
-        shared_compute: models.iter().all(|m| m.model.device().is_cpu())
-            && pools.iter().map(|p| p.threads()).sum::<usize>() > available_cores(),
+        // Models on one device take turns on it.
+        shared_compute: Arc::ptr_eq(&pools[slm], &pools[llm]),
     };
     tracing::info!(?profile, "step latencies for online thresholds");
     Ok(Some(Arc::new(profile)))

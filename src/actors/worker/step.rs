@@ -38,18 +38,14 @@ struct Sampled {
 }
 
 impl ModelWorker {
-    /// Runs one step if the launch rule allows it now; returns whether one ran.
-    pub fn step(&mut self, now: Instant) -> bool {
-        if self.next_launch(now) != Launch::Now {
-            return false;
-        }
+    /// Runs one step, planned now from whatever is ready (the device granted it, or, in
+    /// lock-step, an empty round is due); in lock-step, finishes this model's round.
+    pub fn step(&mut self) {
         let plan = self.sched.schedule();
         if !plan.items.is_empty() {
             let done = self.forward(&plan).and_then(|(logits, hidden)| {
-                with_f32_values(&logits, |logits| {
-                    self.after_forward(&plan, logits, &hidden, now)
-                })
-                .map_err(|e| format!("logits of model '{}': {e}", self.name))
+                with_f32_values(&logits, |logits| self.after_forward(&plan, logits, &hidden))
+                    .map_err(|e| format!("logits of model '{}': {e}", self.name))
             });
             if let Err(message) = done {
                 self.fail_plan(&plan, &message);
@@ -62,7 +58,6 @@ impl ModelWorker {
                 self.send(peer, PeerBody::RoundDone(round));
             }
         }
-        true
     }
 
     /// Runs the batch over the blocks the scheduler assigned; returns its logits,
@@ -114,7 +109,7 @@ impl ModelWorker {
         }
     }
 
-    fn after_forward(&mut self, plan: &Plan, logits: &[f32], hidden: &[f32], now: Instant) {
+    fn after_forward(&mut self, plan: &Plan, logits: &[f32], hidden: &[f32]) {
         self.sched.advance(plan);
         let vocab = self.model.model.config().vocab_size;
         let mut sampled = Vec::new();
@@ -168,7 +163,7 @@ impl ModelWorker {
             online.observe(routes.len(), moves);
         }
         for ((s, view), route) in sampled.iter().zip(&views).zip(routes) {
-            self.apply_route(s.id, view, route, now);
+            self.apply_route(s.id, view, route);
         }
     }
 
@@ -209,7 +204,7 @@ impl ModelWorker {
         f
     }
 
-    fn apply_route(&mut self, id: RequestId, view: &StepView, route: Route, now: Instant) {
+    fn apply_route(&mut self, id: RequestId, view: &StepView, route: Route) {
         let peer = |to: ModelIndex| to != self.index && to < self.unsent.len();
         // Where the request goes, what it commits first (token, producing model) and what it
         // carries along.
@@ -222,8 +217,8 @@ impl ModelWorker {
             Route::Decide { best, next } if peer(next) => {
                 (next, Some((best.token, best.model)), None)
             }
-            Route::Decide { best, .. } => return self.commit_here(id, best.token, best.model, now),
-            _ => return self.commit_here(id, view.token, self.index, now),
+            Route::Decide { best, .. } => return self.commit_here(id, best.token, best.model),
+            _ => return self.commit_here(id, view.token, self.index),
         };
         if let Some((token, model)) = commit {
             if !self.commit(id, token, model) {
@@ -244,13 +239,14 @@ impl ModelWorker {
             return self.end(id, true);
         }
         self.stats.handoffs_out += 1;
+        self.handed[to] += 1;
         self.send(to, PeerBody::Handoff(handoff));
     }
 
     /// Commits `token` (produced by `model`) and keeps the request here.
-    fn commit_here(&mut self, id: RequestId, token: u32, model: ModelIndex, now: Instant) {
+    fn commit_here(&mut self, id: RequestId, token: u32, model: ModelIndex) {
         if self.commit(id, token, model) {
-            self.sched.commit(id, &self.requests[&id].tokens, now);
+            self.sched.commit(id, &self.requests[&id].tokens);
         }
     }
 
