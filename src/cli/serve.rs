@@ -33,6 +33,10 @@ pub struct ServeArgs {
     /// Scheduling mode, overriding `[scheduler] mode`: delayed, eager or sync.
     #[arg(long, env = "TOKENROUTER_MODE")]
     mode: Option<SchedulingMode>,
+    /// Serve only this model of the config, alone (`routing.algorithm = "single"`): the
+    /// baseline a routed configuration is measured against.
+    #[arg(long, env = "TOKENROUTER_SINGLE")]
+    single: Option<String>,
     /// Seconds shutdown waits for in-flight requests.
     #[arg(long, env = "TOKENROUTER_SHUTDOWN_TIMEOUT", default_value_t = 10)]
     shutdown_timeout: u64,
@@ -61,6 +65,7 @@ impl ServeArgs {
             self.request_timeout.map(|v| v.to_string()),
         );
         flag("mode", self.mode.map(|m| format!("{m:?}").to_lowercase()));
+        flag("single", self.single.clone());
         flag("shutdown-timeout", Some(self.shutdown_timeout.to_string()));
         args
     }
@@ -90,6 +95,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut config = Config::load(&args.config)?;
     if let Some(mode) = args.mode {
         config.scheduler.mode = mode;
+    }
+    if let Some(name) = &args.single {
+        config.serve_alone(name).map_err(anyhow::Error::msg)?;
     }
     let s = &config.server;
     if args.dp_size > 1 {

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use report::LevelResult;
+use tokenrouter::config::Role;
 use workload::{chat_body, load_prompts, PrefixShape, Workload, DEFAULT_DATASET};
 
 #[derive(Args)]
@@ -68,6 +69,14 @@ pub struct BenchArgs {
     config: PathBuf,
     #[arg(long, value_delimiter = ',', default_value = "sync,eager,delayed")]
     modes: Vec<String>,
+    /// With --compare-modes: also serve the SLM alone and the LLM alone (the config's models
+    /// by role, with `serve --single`), as `slm-alone` and `llm-alone`.
+    #[arg(long, requires = "compare_modes")]
+    baselines: bool,
+    /// Repeat every server run this many times, alternating them (A B C, A B C, ...); the
+    /// table shows each level's median and range.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
     /// Start `tokenrouter serve --config CONFIG --dp-size N` with each of --policies in turn.
     #[arg(long, conflicts_with = "compare_modes")]
     compare_policies: bool,
@@ -101,23 +110,25 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
         }
         let client = builder.finish();
         let mut results = Vec::new();
-        let runs = args.runs();
-        if runs.is_empty() {
-            results.extend(run_levels(&client, &args.url, &args, "server").await?);
-            return anyhow::Ok(results);
-        }
-        for (label, serve_args) in &runs {
-            let mut server = start_server(&args, label, serve_args)?;
-            let url = format!("http://127.0.0.1:{}", args.port);
-            let outcome = async {
-                wait_healthy(&client, &url, &mut server).await?;
-                run_levels(&client, &url, &args, label).await
+        let runs = args.runs()?;
+        for _ in 0..args.repeat.max(1) {
+            if runs.is_empty() {
+                results.extend(run_levels(&client, &args.url, &args, "server").await?);
+                continue;
             }
-            .await;
-            stop_server(server);
-            results.extend(outcome?);
+            for (label, serve_args) in &runs {
+                let mut server = start_server(&args, label, serve_args)?;
+                let url = format!("http://127.0.0.1:{}", args.port);
+                let outcome = async {
+                    wait_healthy(&client, &url, &mut server).await?;
+                    run_levels(&client, &url, &args, label).await
+                }
+                .await;
+                stop_server(server);
+                results.extend(outcome?);
+            }
         }
-        Ok(results)
+        anyhow::Ok(report::medians(results))
     })?;
     println!("{}", report::table(&results));
     if let Some(path) = &args.output {
@@ -133,13 +144,27 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
 
 impl BenchArgs {
     /// The servers to start in turn (label, extra `serve` flags); none to measure --url.
-    fn runs(&self) -> Vec<(String, Vec<String>)> {
+    fn runs(&self) -> anyhow::Result<Vec<(String, Vec<String>)>> {
         if self.compare_modes {
-            let runs = self
+            let mut runs: Vec<(String, Vec<String>)> = self
                 .modes
                 .iter()
-                .map(|m| (m.clone(), vec!["--mode".into(), m.clone()]));
-            return runs.collect();
+                .map(|m| (m.clone(), vec!["--mode".into(), m.clone()]))
+                .collect();
+            if self.baselines {
+                let config = tokenrouter::config::Config::load(&self.config)?;
+                for (label, role) in [("slm-alone", Role::Slm), ("llm-alone", Role::Llm)] {
+                    let Some(i) = config.role_index(role) else {
+                        anyhow::bail!(
+                            "--baselines needs an SLM and an LLM in {} (role = \"slm\" / \"llm\")",
+                            self.config.display()
+                        );
+                    };
+                    let name = config.models[i].name.clone();
+                    runs.push((label.into(), vec!["--single".into(), name]));
+                }
+            }
+            return Ok(runs);
         }
         if self.compare_policies {
             let dp = self.dp_size.to_string();
@@ -157,9 +182,9 @@ impl BenchArgs {
                 }
                 (p.clone(), flags)
             });
-            return runs.collect();
+            return Ok(runs.collect());
         }
-        Vec::new()
+        Ok(Vec::new())
     }
 }
 

@@ -50,6 +50,37 @@ pub struct LevelResult {
     pub prefix_hit_rate: Option<f64>,
     /// Every request's end-to-end seconds (for the CDF plot).
     pub e2e_samples: Vec<f64>,
+    /// Output tok/s of each repetition (`--repeat`), in run order; this result is the median
+    /// one's.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub repetitions: Vec<f64>,
+}
+
+/// One result per (mode, concurrency), in first-seen order: the repetition with the median
+/// output throughput (the upper middle of an even count), with every repetition's figure.
+pub fn medians(results: Vec<LevelResult>) -> Vec<LevelResult> {
+    let mut groups: Vec<Vec<LevelResult>> = Vec::new();
+    for r in results {
+        match groups
+            .iter_mut()
+            .find(|g| g[0].mode == r.mode && g[0].concurrency == r.concurrency)
+        {
+            Some(g) => g.push(r),
+            None => groups.push(vec![r]),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|mut g| {
+            let runs: Vec<f64> = g.iter().map(|r| r.output_tok_s).collect();
+            g.sort_by(|a, b| a.output_tok_s.total_cmp(&b.output_tok_s));
+            let mut median = g.swap_remove(g.len() / 2);
+            if runs.len() > 1 {
+                median.repetitions = runs;
+            }
+            median
+        })
+        .collect()
 }
 
 pub fn summarize(
@@ -85,38 +116,60 @@ pub fn summarize(
         llm_token_share: samples.iter().fold(0.0, |a, s| a + s.llm_tokens) / output.max(1) as f64,
         prefix_hit_rate: None,
         e2e_samples: e2e,
+        repetitions: Vec::new(),
     }
 }
 
 /// A Markdown table; with several modes, each row's throughput ratio to `sync` (or to the
-/// first mode) at the same concurrency.
+/// first mode) at the same concurrency, and to `llm-alone` when that baseline ran.
 pub fn table(results: &[LevelResult]) -> String {
     let base_mode = if results.iter().any(|r| r.mode == "sync") {
         "sync"
     } else {
         results.first().map_or("", |r| r.mode.as_str())
     };
-    let base = |c: usize| {
+    let of = |mode: &str, c: usize| {
         results
             .iter()
-            .find(|r| r.mode == base_mode && r.concurrency == c)
+            .find(|r| r.mode == mode && r.concurrency == c)
             .map(|r| r.output_tok_s)
     };
+    let alone = results.iter().any(|r| r.mode == "llm-alone");
+    let (alone_head, alone_rule) = if alone {
+        (" vs llm-alone |", "---|")
+    } else {
+        ("", "")
+    };
     let mut out = format!(
-        "| mode | concurrency | requests | output tok/s | vs {base_mode} | total tok/s | per-user tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 s | LLM share | prefix hit |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| mode | concurrency | requests | output tok/s | vs {base_mode} |{alone_head} total tok/s | per-user tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 s | LLM share | prefix hit |\n|---|---|---|---|---|{alone_rule}---|---|---|---|---|---|---|\n"
     );
     for r in results {
         let ms =
             |p: &Percentiles| format!("{:.0}/{:.0}/{:.0}", p.p50 * 1e3, p.p90 * 1e3, p.p99 * 1e3);
-        let ratio = base(r.concurrency).map_or("–".into(), |b| {
-            format!("{:.2}×", r.output_tok_s / b.max(1e-9))
-        });
+        let ratio = |mode: &str| {
+            of(mode, r.concurrency).map_or("–".into(), |b| {
+                format!("{:.2}×", r.output_tok_s / b.max(1e-9))
+            })
+        };
+        let vs_alone = if alone {
+            format!(" {} |", ratio("llm-alone"))
+        } else {
+            String::new()
+        };
+        let range = match r.repetitions.iter().copied().reduce(f64::min) {
+            Some(lo) => {
+                let hi = r.repetitions.iter().copied().fold(lo, f64::max);
+                format!(" ({lo:.1}–{hi:.1})")
+            }
+            None => String::new(),
+        };
         out.push_str(&format!(
-            "| {} | {} | {}{} | {:.1} | {ratio} | {:.1} | {:.2} | {} | {} | {:.1}/{:.1}/{:.1} | {:.0}% | {} |\n",
+            "| {} | {} | {}{} | {:.1}{range} | {} |{vs_alone} {:.1} | {:.2} | {} | {} | {:.1}/{:.1}/{:.1} | {:.0}% | {} |\n",
             r.mode, r.concurrency, r.requests,
             if r.failed > 0 { format!(" ({} failed)", r.failed) } else { String::new() },
-            r.output_tok_s, r.total_tok_s, r.per_user_tok_s, ms(&r.ttft_s), ms(&r.inter_token_s),
-            r.e2e_s.p50, r.e2e_s.p90, r.e2e_s.p99, r.llm_token_share * 100.0,
+            r.output_tok_s, ratio(base_mode), r.total_tok_s, r.per_user_tok_s, ms(&r.ttft_s),
+            ms(&r.inter_token_s), r.e2e_s.p50, r.e2e_s.p90, r.e2e_s.p99,
+            r.llm_token_share * 100.0,
             r.prefix_hit_rate.map_or("–".into(), |h| format!("{:.0}%", h * 100.0)),
         ));
     }
@@ -290,6 +343,31 @@ mod tests {
             svg.starts_with("<svg")
                 && svg.contains("eager")
                 && svg.matches("<polyline").count() == 2
+        );
+    }
+
+    #[test]
+    fn repetitions_reduce_to_the_median_with_the_range_shown() {
+        let samples: Vec<_> = (1..=10).map(|i| sample(i as f64, 10)).collect();
+        let at = |mode: &str, seconds: f64| summarize(mode, 4, &samples, 0, seconds);
+        let runs = vec![
+            at("sync", 10.0),
+            at("llm-alone", 20.0),
+            at("sync", 5.0),
+            at("llm-alone", 25.0),
+            at("sync", 20.0),
+            at("llm-alone", 10.0),
+        ];
+        let m = medians(runs);
+        assert_eq!(m.len(), 2);
+        assert_eq!((m[0].mode.as_str(), m[0].output_tok_s), ("sync", 10.0));
+        assert_eq!(m[0].repetitions, vec![10.0, 20.0, 5.0]);
+        assert_eq!((m[1].mode.as_str(), m[1].output_tok_s), ("llm-alone", 5.0));
+        let t = table(&m);
+        assert!(t.contains("| vs sync | vs llm-alone |"), "{t}");
+        assert!(
+            t.contains("| sync | 4 | 10 | 10.0 (5.0–20.0) | 1.00× | 2.00× |"),
+            "{t}"
         );
     }
 }
