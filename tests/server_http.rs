@@ -476,3 +476,30 @@ fn a_soak_of_mixed_requests_with_cancellations_leaves_nothing_behind() {
         growth >> 20
     );
 }
+
+#[test]
+fn an_idle_server_after_a_burst_uses_almost_no_cpu() {
+    let server = TestServer::start("", &[]);
+    let port = server.port;
+    let burst: Vec<_> = (0..8)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let body = chat(&format!("burst {i}"), json!({"max_tokens": 24}));
+                let path = "/v1/chat/completions";
+                request(port, "POST", path, Some(body.as_bytes()), &[]).unwrap()
+            })
+        })
+        .collect();
+    for t in burst {
+        assert_eq!(t.join().unwrap().status, 200);
+    }
+    assert_drained(&server);
+    std::thread::sleep(Duration::from_millis(500));
+    let before = server.cpu_seconds();
+    std::thread::sleep(Duration::from_secs(10));
+    let used = server.cpu_seconds() - before;
+    assert!(
+        used < 0.2,
+        "the idle server used {used:.3} s of CPU in 10 s"
+    );
+}
