@@ -11,7 +11,7 @@ use std::time::Instant;
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use tokenrouter::actors::{load_models, GenerateRequest, Prompt, RequestEvent, Runtime};
-use tokenrouter::config::{Config, Role, SchedulingMode, ThresholdSource};
+use tokenrouter::config::{Config, CoreSplit, Role, SchedulingMode, ThresholdSource};
 use tokenrouter::model::{ChatMessage, LoadedModel, SamplingParams};
 use tokenrouter::tuning::{optimize, Candidate, ChainInputs};
 
@@ -42,7 +42,8 @@ pub struct TuneArgs {
     /// Print the best vectors only, one JSON object per concurrency.
     #[arg(long)]
     json: bool,
-    /// Model each model on its own device (GPUs) instead of sharing this machine's cores.
+    /// Model each model on its own device, running side by side, even where the config places
+    /// them on one (by default the config's placement decides).
     #[arg(long)]
     separate_devices: bool,
     /// Also measure the best K predicted vectors and eager, B = (1, 1), at each concurrency:
@@ -101,7 +102,12 @@ pub fn run(args: TuneArgs) -> anyhow::Result<()> {
             profile.latency[llm][..n.min(profile.latency[llm].len())].to_vec(),
         ];
         let mut inputs = ChainInputs::two_models(n, p_up, p_down, latency);
-        inputs.shared_compute = !args.separate_devices;
+        let one_device = config.models[slm].device == config.models[llm].device
+            && config.compute.split == CoreSplit::Shared;
+        if one_device && !args.separate_devices {
+            inputs.shared_compute = true;
+            inputs = inputs.with_catch_up();
+        }
         let (all, best) = optimize(&inputs);
         report(n, &all, best.as_deref(), args.json);
         to_validate.push((n, validation_candidates(&all, args.validate)));

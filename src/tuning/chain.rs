@@ -27,7 +27,8 @@ pub enum ChainError {
 
 const MAX_STATES: usize = 400_000;
 
-/// Per model `[queue, batch, residual quanta]`, flattened.
+/// Per model `[queue, batch, residual quanta]`, flattened; on a shared device followed by the
+/// model that launched last.
 type State = Vec<u16>;
 
 /// One transition: probability, next state, tokens committed, time taken (seconds).
@@ -42,7 +43,8 @@ struct Chain<'a> {
 /// Predicted throughput of the system under `thresholds` (one per model).
 pub fn solve(inputs: &ChainInputs, thresholds: &[usize]) -> Result<Prediction, ChainError> {
     let chain = Chain::new(inputs, thresholds)?;
-    let mut start = vec![0u16; 3 * inputs.latency.len()];
+    let extra = usize::from(inputs.shared_compute);
+    let mut start = vec![0u16; 3 * inputs.latency.len() + extra];
     start[0] = inputs.concurrency as u16;
     chain.launch(&mut start)?;
     let (edges, reward, time) = chain.explore(start)?;
@@ -87,6 +89,12 @@ impl<'a> Chain<'a> {
         {
             return bad("every model needs positive step latencies for batch 1 and up".into());
         }
+        if !inputs.arrival_s.is_empty()
+            && (inputs.arrival_s.len() != m
+                || inputs.arrival_s.iter().any(|a| a.is_nan() || *a < 0.0))
+        {
+            return bad(format!("arrival_s needs {m} non-negative seconds"));
+        }
         let shortest = steps.copied().fold(f64::INFINITY, f64::min);
         let n = inputs.concurrency;
         Ok(Self {
@@ -105,15 +113,43 @@ impl<'a> Chain<'a> {
         (l / self.quantum).round().clamp(1.0, u16::MAX as f64) as u16
     }
 
+    /// Model `i` launches a batch of its queue (up to its largest batch).
+    fn start(&self, s: &mut State, i: usize) {
+        let batch = s[3 * i].min(self.inputs.latency[i].len() as u16);
+        s[3 * i] -= batch;
+        s[3 * i + 1] = batch;
+        s[3 * i + 2] = self.quanta(i, batch);
+    }
+
+    /// On a shared device: when it is free, the next model after the last to launch whose
+    /// queue reached its threshold launches, else the next with any queue.
+    fn launch_exclusive(&self, s: &mut State) -> Result<(), ChainError> {
+        let m = self.models();
+        if (0..m).any(|i| s[3 * i + 1] > 0) {
+            return Ok(());
+        }
+        let last = s[3 * m] as usize;
+        let order = || (1..=m).map(move |k| (last + k) % m);
+        let pick = order()
+            .find(|&i| s[3 * i] > 0 && s[3 * i] >= self.thresholds[i])
+            .or_else(|| order().find(|&i| s[3 * i] > 0));
+        let Some(i) = pick else {
+            return Err(ChainError::Invalid("no request is active".into()));
+        };
+        self.start(s, i);
+        s[3 * m] = i as u16;
+        Ok(())
+    }
+
     /// Every idle model whose queue reached its threshold launches (up to its largest batch).
     fn launch(&self, s: &mut State) -> Result<(), ChainError> {
+        if self.inputs.shared_compute {
+            return self.launch_exclusive(s);
+        }
         for i in 0..self.models() {
             let (q, b) = (s[3 * i], s[3 * i + 1]);
             if b == 0 && q > 0 && q >= self.thresholds[i] {
-                let batch = q.min(self.inputs.latency[i].len() as u16);
-                s[3 * i] -= batch;
-                s[3 * i + 1] = batch;
-                s[3 * i + 2] = self.quanta(i, batch);
+                self.start(s, i);
             }
         }
         if (0..self.models()).all(|i| s[3 * i + 1] == 0) {
@@ -135,14 +171,10 @@ impl<'a> Chain<'a> {
             .map(|i| s[3 * i + 2])
             .min()
             .expect("launch() leaves one running");
-        // Residuals count solo work; sharing the cores stretches the wall time.
-        let sharing = if self.inputs.shared_compute {
-            running.clone().count()
-        } else {
-            1
-        };
         let mut base = s.clone();
-        let mut outcomes: Vec<(f64, Vec<u16>, f64)> = vec![(1.0, vec![0; m], 0.0)];
+        // (probability, arrivals per model, tokens, seconds)
+        type Outcome = (f64, Vec<u16>, f64, f64);
+        let mut outcomes: Vec<Outcome> = vec![(1.0, vec![0; m], 0.0, 0.0)];
         for i in running {
             base[3 * i + 2] -= t;
             if base[3 * i + 2] > 0 {
@@ -150,6 +182,13 @@ impl<'a> Chain<'a> {
             }
             let batch = base[3 * i + 1];
             base[3 * i + 1] = 0;
+            // On a shared device the step is the only one running: its whole latency passes,
+            // exactly, and so do the catch-up extends of the requests it sends away.
+            let own = if self.inputs.shared_compute {
+                self.inputs.latency[i][batch as usize - 1]
+            } else {
+                0.0
+            };
             let mut next = Vec::new();
             for (p, split) in splits(batch, &self.inputs.routing[i]) {
                 let moved = batch - split[i];
@@ -159,24 +198,36 @@ impl<'a> Chain<'a> {
                     } else {
                         0.0
                     };
-                for (q, arrivals, r) in &outcomes {
+                let catch_up: f64 = if self.inputs.shared_compute {
+                    (0..m)
+                        .filter(|&j| j != i)
+                        .map(|j| split[j] as f64 * self.inputs.arrival_s.get(j).unwrap_or(&0.0))
+                        .sum()
+                } else {
+                    0.0
+                };
+                for (q, arrivals, r, sec) in &outcomes {
                     let mut a = arrivals.clone();
                     a.iter_mut().zip(&split).for_each(|(x, y)| *x += y);
-                    next.push((q * p, a, r + tokens));
+                    next.push((q * p, a, r + tokens, sec + own + catch_up));
                 }
             }
             outcomes = next;
         }
-        let seconds = (t as usize * sharing) as f64 * self.quantum;
+        let elapsed = if self.inputs.shared_compute {
+            0.0
+        } else {
+            t as f64 * self.quantum
+        };
         outcomes
             .into_iter()
-            .map(|(p, arrivals, tokens)| {
+            .map(|(p, arrivals, tokens, seconds)| {
                 let mut n = base.clone();
                 for (i, a) in arrivals.iter().enumerate() {
                     n[3 * i] += a;
                 }
                 self.launch(&mut n)?;
-                Ok((p, n, tokens, seconds))
+                Ok((p, n, tokens, elapsed + seconds))
             })
             .collect()
     }

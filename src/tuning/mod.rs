@@ -6,13 +6,20 @@
 //! per model, the waiting-queue length, the running batch size and the residual time of the
 //! running step in a common time quantum. From a state, time advances to the next completion;
 //! every request of a completing batch commits a token and moves to another model with its
-//! routing probability (a move that drops the sampled token commits nothing); then every idle
-//! model whose queue holds at least its threshold `B_i` launches a batch. The chain is closed:
-//! `N` requests are active at all times. With `shared_compute` the models share the cores:
-//! while `k` models run, each progresses at `1/k` of its solo speed. Throughput is expected committed tokens per transition
-//! over expected time per transition under the stationary distribution. A threshold vector is
-//! infeasible when some reachable state leaves every model idle with no queue at its threshold:
-//! without a timeout the system would deadlock there.
+//! routing probability (a move that drops the sampled token commits nothing); then models
+//! launch. The chain is closed: `N` requests are active at all times. Throughput is expected
+//! committed tokens per transition over expected time per transition under the stationary
+//! distribution.
+//!
+//! Two kinds of device. Separate devices (GPUs, disjoint core sets): every idle model whose
+//! queue holds at least its threshold `B_i` launches; a threshold vector is infeasible when
+//! some reachable state leaves every model idle with no queue at its threshold (without a
+//! timeout the system would deadlock there). One shared device (`shared_compute`, the models on
+//! one CPU): one step at a time, as its executor grants them. When the device frees, the next
+//! model after the one that just ran (cyclically: first come, first served) whose queue reached
+//! its threshold launches, or, when none has, the next with any queue at all (the executor never
+//! idles while a request waits). Steps then add up in time, so each request arriving at a model
+//! also costs that model's catch-up extend (`arrival_s`), paid serially on the device.
 
 mod chain;
 pub mod online;
@@ -35,9 +42,12 @@ pub struct ChainInputs {
     pub latency: Vec<Vec<f64>>,
     /// Time quanta per shortest step; more is finer and slower to solve.
     pub resolution: usize,
-    /// The models share one set of cores (a CPU): while `k` of them run, each step progresses
-    /// at `1/k` of its solo speed (processor sharing). Off: every model has its own device.
+    /// The models share one device that runs one step at a time (see the module header).
+    /// Off: every model has its own device.
     pub shared_compute: bool,
+    /// `arrival_s[i]`: seconds model `i` spends catching up on the tokens a request produced
+    /// elsewhere, per request arriving there (counted on a shared device only; empty: none).
+    pub arrival_s: Vec<f64>,
 }
 
 impl ChainInputs {
@@ -51,7 +61,47 @@ impl ChainInputs {
             latency: latency.to_vec(),
             resolution: 4,
             shared_compute: false,
+            arrival_s: Vec::new(),
         }
+    }
+}
+
+impl ChainInputs {
+    /// Sets `arrival_s` for models on one device: a request arriving at a model extends the
+    /// tokens its visit elsewhere committed (a geometric run of `1 / p` steps, less a dropped
+    /// token), each costing what one more row costs in a step there (the slope of its step
+    /// latency over the batch).
+    pub fn with_catch_up(mut self) -> Self {
+        let slope = |l: &[f64]| match l.len() {
+            0 => 0.0,
+            1 => l[0],
+            n => ((l[n - 1] - l[0]) / (n - 1) as f64).max(0.0),
+        };
+        let visit_tokens = |i: usize| {
+            let leave = 1.0 - self.routing[i][i];
+            if leave <= 0.0 {
+                0.0
+            } else {
+                (1.0 / leave - f64::from(u8::from(self.drops[i]))).max(0.0)
+            }
+        };
+        let m = self.latency.len();
+        // Tokens reaching model j per arrival: those of the visit at the model it came from,
+        // weighted by where arrivals at j come from.
+        self.arrival_s = (0..m)
+            .map(|j| {
+                let inflow: Vec<f64> = (0..m)
+                    .map(|i| if i == j { 0.0 } else { self.routing[i][j] })
+                    .collect();
+                let total: f64 = inflow.iter().sum();
+                if total <= 0.0 {
+                    return 0.0;
+                }
+                let tokens: f64 = (0..m).map(|i| inflow[i] / total * visit_tokens(i)).sum();
+                tokens * slope(&self.latency[j])
+            })
+            .collect();
+        self
     }
 }
 

@@ -17,7 +17,7 @@ pub const MAX_TUNED_CONCURRENCY: usize = 16;
 pub struct LatencyProfile {
     pub slm: Vec<f64>,
     pub llm: Vec<f64>,
-    /// Whether the models share the cores (see [`ChainInputs::shared_compute`]).
+    /// Whether the models share one device (see [`ChainInputs::shared_compute`]).
     pub shared_compute: bool,
 }
 
@@ -132,7 +132,10 @@ pub fn solve_point(profile: &LatencyProfile, point: OperatingPoint) -> (usize, u
         down as f64 / 20.0,
         [cut(&profile.slm), cut(&profile.llm)],
     );
-    inputs.shared_compute = profile.shared_compute;
+    if profile.shared_compute {
+        inputs.shared_compute = true;
+        inputs = inputs.with_catch_up();
+    }
     match optimize(&inputs).1.as_deref() {
         Some(&[slm, llm]) => (slm, llm),
         _ => (1, 1),

@@ -20,6 +20,7 @@ fn one_model_runs_every_request_in_one_batch() {
         // A quantum of 10 ms represents every latency exactly.
         resolution: 11,
         shared_compute: false,
+        arrival_s: Vec::new(),
     };
     let p = solve(&inputs, &[1]).unwrap();
     assert!(close(p.tokens_per_s, 4.0 / 0.14), "{p:?}");
@@ -87,19 +88,9 @@ fn mirroring_the_models_does_not_change_the_answer() {
 }
 
 #[test]
-fn shared_cores_halve_the_speed_of_two_busy_models() {
-    let flat = vec![0.1; 4];
-    let mut inputs = ChainInputs::two_models(2, 1.0, 1.0, [flat.clone(), flat]);
-    inputs.drops = vec![false, false];
-    // Requests start together on model 0 and move as one batch: never two models at once.
-    let together = solve(&inputs, &[1, 1]).unwrap().tokens_per_s;
-    inputs.shared_compute = true;
-    assert!(close(
-        solve(&inputs, &[1, 1]).unwrap().tokens_per_s,
-        together
-    ));
-    // Requests that split between the models run both at once, each at half speed: slower
-    // than separate devices, but never below half their speed.
+fn a_shared_device_runs_one_step_at_a_time_and_adds_the_catch_up() {
+    // Two requests that split between the models: on separate devices both steps overlap; on
+    // one device they run one after the other, so the same tokens take longer.
     let mut split = ChainInputs::two_models(2, 0.5, 0.5, [vec![0.1; 2], vec![0.1; 2]]);
     split.drops = vec![false, false];
     let separate = solve(&split, &[1, 1]).unwrap().tokens_per_s;
@@ -109,6 +100,36 @@ fn shared_cores_halve_the_speed_of_two_busy_models() {
         shared < separate - 1e-9 && shared >= separate / 2.0 - 1e-9,
         "{shared} vs {separate}"
     );
+    // One request bouncing every step: each 0.1 s step commits a token, and each arrival
+    // costs its model 0.05 s of catch-up, worked out by hand.
+    let mut bounce = ChainInputs::two_models(1, 1.0, 1.0, [vec![0.1], vec![0.1]]);
+    bounce.drops = vec![false, false];
+    bounce.shared_compute = true;
+    assert!(close(solve(&bounce, &[1, 1]).unwrap().tokens_per_s, 10.0));
+    bounce.arrival_s = vec![0.05, 0.05];
+    assert!(close(
+        solve(&bounce, &[1, 1]).unwrap().tokens_per_s,
+        1.0 / 0.15
+    ));
+}
+
+#[test]
+fn on_a_shared_device_a_model_below_its_threshold_still_runs_when_nothing_else_can() {
+    // Thresholds that deadlock separate devices are fine on a shared one: it never idles.
+    let l = linear(0.05, 0.01, 8);
+    let mut inputs = ChainInputs::two_models(4, 0.5, 0.5, [l.clone(), l]);
+    inputs.shared_compute = true;
+    let waiting = solve(&inputs, &[3, 3]).unwrap().tokens_per_s;
+    let eager = solve(&inputs, &[1, 1]).unwrap().tokens_per_s;
+    assert!(waiting > 0.0 && eager > 0.0);
+    // With every request on one model, the device serves that model alone, in full batches.
+    let mut one =
+        ChainInputs::two_models(4, 0.0, 0.0, [linear(0.05, 0.01, 8), linear(0.2, 0.02, 8)]);
+    one.shared_compute = true;
+    assert!(close(
+        solve(&one, &[1, 4]).unwrap().tokens_per_s,
+        4.0 / 0.09
+    ));
 }
 
 #[test]
@@ -148,4 +169,23 @@ fn splits_are_multinomial() {
     let total: f64 = s.iter().map(|(p, _)| p).sum();
     assert!(close(total, 1.0));
     assert!(close(s[1].0, 3.0 / 8.0));
+}
+
+#[test]
+fn catch_up_costs_the_visit_elsewhere_at_the_step_slope() {
+    // The SLM leaves with probability 0.25 (4 steps, the last token dropped: 3 tokens); the
+    // LLM with 0.5 (2 tokens). Slopes: 0.01 and 0.02 s per row.
+    let inputs =
+        ChainInputs::two_models(4, 0.25, 0.5, [linear(0.05, 0.01, 4), linear(0.2, 0.02, 4)])
+            .with_catch_up();
+    assert!(
+        close(inputs.arrival_s[0], 2.0 * 0.01),
+        "{:?}",
+        inputs.arrival_s
+    );
+    assert!(
+        close(inputs.arrival_s[1], 3.0 * 0.02),
+        "{:?}",
+        inputs.arrival_s
+    );
 }
