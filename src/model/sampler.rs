@@ -4,8 +4,6 @@
 //! penalties (over the output), then greedy if `temperature == 0`, else temperature → top-k →
 //! softmax → min-p → top-p → draw. For a given seed the sequence of draws is deterministic.
 
-use std::collections::HashMap;
-
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -102,12 +100,19 @@ impl Sampler {
     }
 
     /// Picks the next token from `logits`, given the prompt and the output so far.
+    ///
+    /// The row is only read: the penalties yield the few entries they change
+    /// ([`Sampler::penalised`]), and greedy picks the largest value with those in place
+    /// ([`argmax_penalised`]) without copying the row.
     pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> u32 {
         let p = &self.params;
-        let mut logits = logits.to_vec();
-        self.apply_penalties(&mut logits, prompt, output);
+        let penalised = self.penalised(logits, prompt, output);
         if p.temperature == 0.0 {
-            return argmax(&logits);
+            return argmax_penalised(logits, &penalised);
+        }
+        let mut logits = logits.to_vec();
+        for &(t, l) in &penalised {
+            logits[t as usize] = l;
         }
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
@@ -156,35 +161,98 @@ impl Sampler {
         cand[keep - 1].0
     }
 
-    fn apply_penalties(&self, logits: &mut [f32], prompt: &[u32], output: &[u32]) {
+    /// The entries of `logits` the penalties change, with their penalised values, by
+    /// increasing token id: the repetition penalty over every token of the prompt and the
+    /// output, then the presence and frequency penalties over the output's tokens (ids
+    /// outside the vocabulary are ignored). Empty when every penalty is off.
+    ///
+    /// Which tokens occur is marked in a bitset (one bit per vocabulary entry, 19 KB for 152k)
+    /// rather than by sorting the prompt, so the cost grows with the prompt only linearly.
+    fn penalised(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Vec<(u32, f32)> {
         let p = &self.params;
-        if p.repetition_penalty != 1.0 {
-            let mut seen = vec![false; logits.len()];
-            for &t in prompt.iter().chain(output) {
-                if let Some(s) = seen.get_mut(t as usize) {
-                    *s = true;
-                }
+        let repetition = p.repetition_penalty != 1.0;
+        let additive = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        if !repetition && !additive {
+            return Vec::new();
+        }
+        let mut seen = vec![0u64; logits.len().div_ceil(64)];
+        let mut mark = |tokens: &[u32]| {
+            for &t in tokens.iter().filter(|&&t| (t as usize) < logits.len()) {
+                seen[t as usize / 64] |= 1 << (t % 64);
             }
-            for (l, _) in logits.iter_mut().zip(&seen).filter(|(_, s)| **s) {
-                *l = if *l > 0.0 {
-                    *l / p.repetition_penalty
-                } else {
-                    *l * p.repetition_penalty
-                };
+        };
+        if repetition {
+            mark(prompt);
+        }
+        mark(output);
+        // The output in order, so each token's count is the length of its run.
+        let mut counted = if additive {
+            output.to_vec()
+        } else {
+            Vec::new()
+        };
+        counted.sort_unstable();
+        let mut runs = counted.as_slice();
+        let mut out = Vec::new();
+        for (w, &bits) in seen.iter().enumerate() {
+            let mut bits = bits;
+            while bits != 0 {
+                let t = (w * 64) as u32 + bits.trailing_zeros();
+                bits &= bits - 1;
+                let mut l = logits[t as usize];
+                if repetition {
+                    l = if l > 0.0 {
+                        l / p.repetition_penalty
+                    } else {
+                        l * p.repetition_penalty
+                    };
+                }
+                // Every output token in the vocabulary is marked, so the run of `t` (if any)
+                // starts the rest of the sorted output.
+                let n = runs.iter().take_while(|&&o| o == t).count();
+                runs = &runs[n..];
+                if n > 0 {
+                    l -= p.presence_penalty + p.frequency_penalty * n as f32;
+                }
+                out.push((t, l));
             }
         }
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            let mut counts: HashMap<u32, u32> = HashMap::new();
-            for &t in output {
-                *counts.entry(t).or_default() += 1;
-            }
-            for (t, n) in counts {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l -= p.presence_penalty + p.frequency_penalty * n as f32;
-                }
-            }
+        out
+    }
+}
+
+/// [`argmax`] of `logits` with the `penalised` entries (by increasing token id) in place of
+/// the row's own: the largest value over the untouched stretches between them and the
+/// penalised values, then the first place holding it, each stretch scanned in place.
+fn argmax_penalised(logits: &[f32], penalised: &[(u32, f32)]) -> u32 {
+    if penalised.is_empty() {
+        return argmax(logits);
+    }
+    // Each stretch of the row between penalised entries, with the entry that ends it (none
+    // after the last).
+    let stretches = || {
+        let mut start = 0;
+        penalised.iter().map(Some).chain([None]).map(move |entry| {
+            let end = entry.map_or(logits.len(), |&(t, _)| t as usize);
+            let stretch = (start, &logits[start..end]);
+            start = end + 1;
+            (stretch, entry)
+        })
+    };
+    let larger = |m: f32, x: f32| if x > m { x } else { m };
+    let max = stretches().fold(f32::NEG_INFINITY, |m, ((_, xs), entry)| {
+        let m = larger(m, max_value(xs));
+        entry.map_or(m, |&(_, l)| larger(m, l))
+    });
+    for ((start, xs), entry) in stretches() {
+        if let Some(i) = first_equal(xs, max) {
+            return (start + i) as u32;
+        }
+        if let Some(&(t, _)) = entry.filter(|&&(_, l)| l == max) {
+            return t;
         }
     }
+    0
 }
 
 /// Index of the largest logit; the lowest index wins ties, NaN never wins (0 when every value
@@ -195,17 +263,21 @@ impl Sampler {
 /// compares every value with a load that waits on the previous comparison: several times
 /// slower over a real vocabulary.)
 pub fn argmax(logits: &[f32]) -> u32 {
+    first_equal(logits, max_value(logits)).unwrap_or(0) as u32
+}
+
+/// The first index of `xs` holding `value`, sixteen values at a time (see [`argmax`]).
+fn first_equal(xs: &[f32], value: f32) -> Option<usize> {
     const LANES: usize = 16;
-    let max = max_value(logits);
-    let before = logits
+    let before = xs
         .chunks_exact(LANES)
-        .take_while(|chunk| !chunk.iter().fold(false, |hit, &l| hit | (l == max)))
+        .take_while(|chunk| !chunk.iter().fold(false, |hit, &l| hit | (l == value)))
         .count()
         * LANES;
-    logits[before..]
+    xs[before..]
         .iter()
-        .position(|&l| l == max)
-        .map_or(0, |i| before + i) as u32
+        .position(|&l| l == value)
+        .map(|i| before + i)
 }
 
 #[cfg(test)]
@@ -255,6 +327,78 @@ mod tests {
         }
         assert_eq!(argmax(&[f32::NAN, 1.0, 3.0, 3.0]), 2);
         assert_eq!(argmax(&[f32::NAN; 40]), 0);
+    }
+
+    /// The penalties as plainly defined: applied to a copy of the whole row.
+    fn penalise_copy(
+        params: &SamplingParams,
+        logits: &[f32],
+        prompt: &[u32],
+        output: &[u32],
+    ) -> Vec<f32> {
+        let mut logits = logits.to_vec();
+        if params.repetition_penalty != 1.0 {
+            let mut seen = vec![false; logits.len()];
+            for &t in prompt.iter().chain(output) {
+                if let Some(s) = seen.get_mut(t as usize) {
+                    *s = true;
+                }
+            }
+            for (l, _) in logits.iter_mut().zip(&seen).filter(|(_, s)| **s) {
+                *l = if *l > 0.0 {
+                    *l / params.repetition_penalty
+                } else {
+                    *l * params.repetition_penalty
+                };
+            }
+        }
+        let mut counts = std::collections::HashMap::<u32, u32>::new();
+        for &t in output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, n) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= params.presence_penalty + params.frequency_penalty * n as f32;
+            }
+        }
+        logits
+    }
+
+    /// Greedy with penalties reads the row in place; it must pick what the argmax of a
+    /// penalised copy picks, ties, NaN, infinities and out-of-vocabulary ids included.
+    #[test]
+    fn greedy_with_penalties_picks_the_argmax_of_the_penalised_row() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for case in 0..400 {
+            let len = [1usize, 2, 17, 100, 1000][case % 5];
+            // Few distinct values, so ties between penalised and untouched entries occur.
+            let mut logits: Vec<f32> = (0..len)
+                .map(|_| rng.random_range(0..6) as f32 - 2.0)
+                .collect();
+            match case % 7 {
+                1 => logits[rng.random_range(0..len)] = f32::NAN,
+                2 => logits[rng.random_range(0..len)] = f32::INFINITY,
+                3 => logits.iter_mut().for_each(|l| *l = f32::NAN),
+                _ => {}
+            }
+            let ids = |rng: &mut ChaCha8Rng, most: usize| -> Vec<u32> {
+                let n = rng.random_range(0..most);
+                (0..n)
+                    .map(|_| rng.random_range(0..len as u32 + 2))
+                    .collect()
+            };
+            let prompt = ids(&mut rng, 2 * len);
+            let output = ids(&mut rng, len + 1);
+            let params = SamplingParams {
+                repetition_penalty: [1.0, 2.0, 0.5][case % 3],
+                presence_penalty: [0.0, 0.5, -1.0][(case / 3) % 3],
+                frequency_penalty: [0.0, 1.0, -0.5][(case / 9) % 3],
+                ..SamplingParams::greedy()
+            };
+            let expected = argmax(&penalise_copy(&params, &logits, &prompt, &output));
+            let got = sampler(params.clone()).sample(&logits, &prompt, &output);
+            assert_eq!(got, expected, "case {case}: {params:?}");
+        }
     }
 
     #[test]
