@@ -3,13 +3,18 @@
 //! Order (as in vLLM): repetition penalty (over prompt and output), presence and frequency
 //! penalties (over the output), then greedy if `temperature == 0`, else temperature → top-k →
 //! softmax → min-p → top-p → draw. For a given seed the sequence of draws is deterministic.
+//!
+//! The logits row is read where it lies, never copied: the penalties produce only the entries
+//! they change, greedy is an argmax over the row with those in place, and without top-k the
+//! vocabulary is never sorted whole (with top-p 1 the draw scans the softmax in token order;
+//! with top-p < 1 only the tokens that can be in the nucleus are gathered and sorted).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use super::error::{ModelError, Result};
-use crate::kernels::max_value;
+use crate::kernels::{exp_in_place, max_value};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -102,63 +107,216 @@ impl Sampler {
     /// Picks the next token from `logits`, given the prompt and the output so far.
     ///
     /// The row is only read: the penalties yield the few entries they change
-    /// ([`Sampler::penalised`]), and greedy picks the largest value with those in place
-    /// ([`argmax_penalised`]) without copying the row.
+    /// ([`Sampler::penalised`]), greedy picks the largest value with those in place
+    /// ([`argmax_penalised`]), and temperature sampling reads the row in blocks
+    /// ([`Scaled`]), sorting only the candidates top-k or top-p keep.
     pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> u32 {
         let p = &self.params;
         let penalised = self.penalised(logits, prompt, output);
         if p.temperature == 0.0 {
             return argmax_penalised(logits, &penalised);
         }
-        let mut logits = logits.to_vec();
-        for &(t, l) in &penalised {
-            logits[t as usize] = l;
+        let row = Scaled {
+            logits,
+            penalised: &penalised,
+            temperature: p.temperature,
+        };
+        if p.top_k > 0 {
+            self.sample_top_k(&row)
+        } else if p.top_p < 1.0 {
+            self.sample_nucleus(&row)
+        } else {
+            self.sample_scan(&row)
         }
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l / p.temperature))
-            .filter(|(_, l)| !l.is_nan())
-            .collect();
+    }
+
+    /// Top-k: the `top_k` largest logits, sorted, then min-p, top-p and the draw among them.
+    fn sample_top_k(&mut self, row: &Scaled) -> u32 {
+        let mut cand = row.candidates();
         if cand.is_empty() {
             return 0;
         }
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.select_nth_unstable_by(p.top_k - 1, by_logit);
-            cand.truncate(p.top_k);
+        if self.params.top_k < cand.len() {
+            cand.select_nth_unstable_by(self.params.top_k - 1, by_logit);
+            cand.truncate(self.params.top_k);
         }
         cand.sort_unstable_by(by_logit);
         let max = cand[0].1;
-        let mut probs: Vec<f32> = cand.iter().map(|(_, l)| (l - max).exp()).collect();
-        let total: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= total);
-        let mut keep = probs.len();
-        if p.min_p > 0.0 {
-            let floor = p.min_p * probs[0];
-            keep = probs.iter().take_while(|&&x| x >= floor).count().max(1);
+        let total: f32 = cand.iter().map(|&(_, v)| weight(v, max)).sum();
+        let keep = self.keep(&cand, total).unwrap_or(cand.len());
+        self.draw_sorted(&cand[..keep], total)
+    }
+
+    /// Top-p < 1 without top-k. A first pass over the row sums the weights `exp(v - max)` by
+    /// their binary exponent; from those sums, the largest power of two `t` such that the
+    /// weights at or above it hold top-p of the total (and a little more, against rounding)
+    /// bounds the nucleus, which is a prefix of the sorted order. Min-p bounds it too: the
+    /// larger bound wins. A second pass gathers the tokens weighing at least that; of these,
+    /// only the largest are sorted, 64 first and four times more each round, until min-p or
+    /// top-p stops. Should top-p still not stop (rounding at its bound), every token with a
+    /// weight is gathered instead.
+    fn sample_nucleus(&mut self, row: &Scaled) -> u32 {
+        let p = &self.params;
+        let max = row.max();
+        let mut block = Block::default();
+        // Mass by the weights' f32 exponent bits (weights are in [0, 1]).
+        let mut by_exponent = [0f64; 256];
+        for start in (0..row.len()).step_by(BLOCK) {
+            let n = row.block(start, max, &mut block);
+            for &w in &block.weights[..n] {
+                by_exponent[(w.to_bits() >> 23) as usize & 255] += w as f64;
+            }
         }
-        if p.top_p < 1.0 {
-            let mut cum = 0.0;
-            let mut n = 0;
-            for &x in &probs[..keep] {
-                cum += x;
-                n += 1;
-                if cum >= p.top_p {
-                    break;
+        let total: f64 = by_exponent.iter().sum();
+        if total == 0.0 {
+            // Every value is NaN: no candidate.
+            return 0;
+        }
+        let goal = (p.top_p as f64 + 1e-3).min(1.0) * total;
+        let mut mass = 0.0;
+        let exponent = (0..256u32)
+            .rev()
+            .find(|&e| {
+                mass += by_exponent[e as usize];
+                mass >= goal
+            })
+            .unwrap_or(0);
+        let by_top_p = f32::from_bits(exponent << 23);
+        // A little below min-p's own bound, so that the block weights' rounding
+        // (`exp_in_place`, 2 ulp) never drops a token `keep` takes.
+        let by_min_p = p.min_p * (1.0 - 1e-5);
+        let total = total as f32;
+        let mut floor = by_top_p.max(by_min_p).max(f32::MIN_POSITIVE);
+        loop {
+            let mut cand = Vec::new();
+            for start in (0..row.len()).step_by(BLOCK) {
+                let n = row.block(start, max, &mut block);
+                let weights = block.weights[..n].iter().zip(&block.values);
+                for (j, (_, &v)) in weights.enumerate().filter(|(_, (&w, _))| w >= floor) {
+                    cand.push(((start + j) as u32, v));
                 }
             }
-            keep = n.max(1);
+            let mut sorted = 0;
+            while sorted < cand.len() {
+                let end = (4 * sorted).max(64).min(cand.len());
+                if end < cand.len() {
+                    cand[sorted..].select_nth_unstable_by(end - sorted - 1, by_logit);
+                }
+                cand[sorted..end].sort_unstable_by(by_logit);
+                sorted = end;
+                if let Some(keep) = self.keep(&cand[..sorted], total) {
+                    return self.draw_sorted(&cand[..keep], total);
+                }
+            }
+            // Min-p's bound, or no bound left: every gathered token is kept.
+            if floor <= by_min_p || floor == f32::MIN_POSITIVE {
+                return self.draw_sorted(&cand, total);
+            }
+            floor = by_min_p.max(f32::MIN_POSITIVE);
         }
-        let mass: f32 = probs[..keep].iter().sum();
+    }
+
+    /// Top-p = 1 without top-k: the draw scans the softmax in token order, no sorting. One
+    /// pass sums the kept weights per block of [`BLOCK`] tokens (min-p keeps the tokens whose
+    /// weight `exp(v - max)`, i.e. probability over the largest, is at least `min_p`); the draw
+    /// finds its block by those sums and only that block's weights are computed again.
+    ///
+    /// Each token is drawn with its probability, as in sorted order, but a given random
+    /// number maps to another token than in sorted order.
+    fn sample_scan(&mut self, row: &Scaled) -> u32 {
+        let max = row.max();
+        let min_p = self.params.min_p;
+        let mut block = Block::default();
+        let kept_weights = |start: usize, block: &mut Block| {
+            let n = row.block(start, max, block);
+            for w in &mut block.weights[..n] {
+                if *w < min_p {
+                    *w = 0.0;
+                }
+            }
+            n
+        };
+        let masses: Vec<f64> = (0..row.len())
+            .step_by(BLOCK)
+            .map(|start| {
+                let n = kept_weights(start, &mut block);
+                sum_lanes(&block.weights[..n]) as f64
+            })
+            .collect();
+        let mass: f64 = masses.iter().sum();
+        if mass == 0.0 {
+            // Every value is NaN: no candidate.
+            return 0;
+        }
+        // A 53-bit draw: with 24 bits, a token's share of the draws could be off by 2^-24,
+        // more than the probability of most of a large vocabulary.
+        let mut r = self.rng.random::<f64>() * mass;
+        let mut chosen = None;
+        for (b, &m) in masses.iter().enumerate() {
+            if r < m {
+                chosen = Some(b);
+                break;
+            }
+            r -= m;
+        }
+        // Rounding can leave `r` just past the last block's end: its last kept token then.
+        let b = chosen.unwrap_or_else(|| {
+            r = f64::INFINITY;
+            masses.iter().rposition(|&m| m > 0.0).expect("mass > 0")
+        });
+        let n = kept_weights(b * BLOCK, &mut block);
+        let mut last = 0;
+        for (j, &w) in block.weights[..n]
+            .iter()
+            .enumerate()
+            .filter(|(_, &w)| w > 0.0)
+        {
+            if r < w as f64 {
+                return (b * BLOCK + j) as u32;
+            }
+            r -= w as f64;
+            last = j;
+        }
+        (b * BLOCK + last) as u32
+    }
+
+    /// How many of the leading `sorted` candidates (by decreasing logit, normalised by
+    /// `total`) min-p and then top-p keep; `None` when neither rule stops within them (all
+    /// of them, if they are every candidate). Min-p keeps the prefix whose probabilities
+    /// reach `min_p` times the first's (at least one token); top-p the shortest prefix of that
+    /// whose cumulative probability reaches `top_p`.
+    fn keep(&self, sorted: &[(u32, f32)], total: f32) -> Option<usize> {
+        let p = &self.params;
+        let max = sorted[0].1;
+        let floor = p.min_p * (weight(max, max) / total);
+        let mut cum = 0.0f32;
+        for (i, &(_, v)) in sorted.iter().enumerate() {
+            let x = weight(v, max) / total;
+            if p.min_p > 0.0 && x < floor {
+                return Some(i.max(1));
+            }
+            cum += x;
+            if p.top_p < 1.0 && cum >= p.top_p {
+                return Some(i + 1);
+            }
+        }
+        None
+    }
+
+    /// Draws one of `kept` (sorted by decreasing logit) by its probability, `total` being the
+    /// softmax's normaliser.
+    fn draw_sorted(&mut self, kept: &[(u32, f32)], total: f32) -> u32 {
+        let max = kept[0].1;
+        let probs: Vec<f32> = kept.iter().map(|&(_, v)| weight(v, max) / total).collect();
+        let mass: f32 = probs.iter().sum();
         let mut r = self.rng.random::<f32>() * mass;
-        for (i, &x) in probs[..keep].iter().enumerate() {
+        for (i, &x) in probs.iter().enumerate() {
             if r < x {
-                return cand[i].0;
+                return kept[i].0;
             }
             r -= x;
         }
-        cand[keep - 1].0
+        kept[kept.len() - 1].0
     }
 
     /// The entries of `logits` the penalties change, with their penalised values, by
@@ -222,29 +380,14 @@ impl Sampler {
 }
 
 /// [`argmax`] of `logits` with the `penalised` entries (by increasing token id) in place of
-/// the row's own: the largest value over the untouched stretches between them and the
-/// penalised values, then the first place holding it, each stretch scanned in place.
+/// the row's own: their largest value ([`max_penalised`]), then the first place holding it,
+/// each untouched stretch scanned in place.
 fn argmax_penalised(logits: &[f32], penalised: &[(u32, f32)]) -> u32 {
     if penalised.is_empty() {
         return argmax(logits);
     }
-    // Each stretch of the row between penalised entries, with the entry that ends it (none
-    // after the last).
-    let stretches = || {
-        let mut start = 0;
-        penalised.iter().map(Some).chain([None]).map(move |entry| {
-            let end = entry.map_or(logits.len(), |&(t, _)| t as usize);
-            let stretch = (start, &logits[start..end]);
-            start = end + 1;
-            (stretch, entry)
-        })
-    };
-    let larger = |m: f32, x: f32| if x > m { x } else { m };
-    let max = stretches().fold(f32::NEG_INFINITY, |m, ((_, xs), entry)| {
-        let m = larger(m, max_value(xs));
-        entry.map_or(m, |&(_, l)| larger(m, l))
-    });
-    for ((start, xs), entry) in stretches() {
+    let max = max_penalised(logits, penalised);
+    for ((start, xs), entry) in stretches(logits, penalised) {
         if let Some(i) = first_equal(xs, max) {
             return (start + i) as u32;
         }
@@ -253,6 +396,157 @@ fn argmax_penalised(logits: &[f32], penalised: &[(u32, f32)]) -> u32 {
         }
     }
     0
+}
+
+/// The largest value of `logits` with the `penalised` entries in place; NaN never wins
+/// (-inf when every value is NaN).
+fn max_penalised(logits: &[f32], penalised: &[(u32, f32)]) -> f32 {
+    let larger = |m: f32, x: f32| if x > m { x } else { m };
+    stretches(logits, penalised).fold(f32::NEG_INFINITY, |m, ((_, xs), entry)| {
+        let m = larger(m, max_value(xs));
+        entry.map_or(m, |&(_, l)| larger(m, l))
+    })
+}
+
+/// A stretch of a row (its first index and values) and the penalised entry that ends it.
+type Stretch<'a> = ((usize, &'a [f32]), Option<&'a (u32, f32)>);
+
+/// Each stretch of `logits` between the `penalised` entries (by increasing token id), with
+/// its first index and the entry that ends it (none after the last).
+fn stretches<'a>(
+    logits: &'a [f32],
+    penalised: &'a [(u32, f32)],
+) -> impl Iterator<Item = Stretch<'a>> {
+    let mut start = 0;
+    penalised.iter().map(Some).chain([None]).map(move |entry| {
+        let end = entry.map_or(logits.len(), |&(t, _)| t as usize);
+        let stretch = (start, &logits[start..end]);
+        start = end + 1;
+        (stretch, entry)
+    })
+}
+
+/// Candidates sorted by decreasing logit, the lower token id first among equal ones.
+fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// A token's unnormalised probability, `exp(v - max)`; 1 for the largest logit itself, so
+/// that infinite logits share the mass evenly rather than turn it into NaN.
+fn weight(v: f32, max: f32) -> f32 {
+    if v == max {
+        1.0
+    } else {
+        (v - max).exp()
+    }
+}
+
+/// The sum of `xs` over eight lanes, so the additions vectorise.
+fn sum_lanes(xs: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder().iter().sum::<f32>();
+    for chunk in chunks {
+        for (s, &x) in lanes.iter_mut().zip(chunk) {
+            *s += x;
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
+/// Tokens whose weights [`Scaled::block`] computes at a time.
+const BLOCK: usize = 64;
+
+/// One block of a row: the scaled logits and their weights.
+struct Block {
+    values: [f32; BLOCK],
+    weights: [f32; BLOCK],
+}
+
+impl Default for Block {
+    fn default() -> Self {
+        Self {
+            values: [0.0; BLOCK],
+            weights: [0.0; BLOCK],
+        }
+    }
+}
+
+/// A logits row with the penalised entries in place and divided by the temperature, read
+/// where it lies: the values `v = l / temperature` the sampler draws from.
+struct Scaled<'a> {
+    logits: &'a [f32],
+    /// By increasing token id (see [`Sampler::penalised`]).
+    penalised: &'a [(u32, f32)],
+    temperature: f32,
+}
+
+impl Scaled<'_> {
+    fn len(&self) -> usize {
+        self.logits.len()
+    }
+
+    /// The largest value; -inf when there is none (every value NaN).
+    fn max(&self) -> f32 {
+        max_penalised(self.logits, self.penalised) / self.temperature
+    }
+
+    /// Every value that is not NaN, with its token id, in token order.
+    fn candidates(&self) -> Vec<(u32, f32)> {
+        let t = self.temperature;
+        let mut out = Vec::with_capacity(self.logits.len());
+        for ((start, xs), entry) in stretches(self.logits, self.penalised) {
+            let values = xs
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| ((start + i) as u32, l / t));
+            out.extend(values.filter(|(_, v)| !v.is_nan()));
+            out.extend(
+                entry
+                    .map(|&(id, l)| (id, l / t))
+                    .filter(|(_, v)| !v.is_nan()),
+            );
+        }
+        out
+    }
+
+    /// The values and weights of the tokens from `start` (a multiple of [`BLOCK`]) to the
+    /// block's end or the row's; returns how many. A weight is `exp(v - max)` by the vector
+    /// [`exp_in_place`] (within 2 ulp of `f32::exp`); NaN values and weights below the
+    /// smallest normal `f32` (where `exp_in_place` stops following `exp` down to 0) weigh 0.
+    fn block(&self, start: usize, max: f32, block: &mut Block) -> usize {
+        let end = (start + BLOCK).min(self.logits.len());
+        let n = end - start;
+        let t = self.temperature;
+        for (v, &l) in block.values.iter_mut().zip(&self.logits[start..end]) {
+            *v = l / t;
+        }
+        let from = self
+            .penalised
+            .partition_point(|&(id, _)| (id as usize) < start);
+        for &(id, l) in self.penalised[from..]
+            .iter()
+            .take_while(|&&(id, _)| (id as usize) < end)
+        {
+            block.values[id as usize - start] = l / t;
+        }
+        for (w, &v) in block.weights.iter_mut().zip(&block.values[..n]) {
+            *w = if v == max {
+                0.0
+            } else if v.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                v - max
+            };
+        }
+        exp_in_place(&mut block.weights[..n]);
+        for w in &mut block.weights[..n] {
+            if *w <= f32::MIN_POSITIVE {
+                *w = 0.0;
+            }
+        }
+        n
+    }
 }
 
 /// Index of the largest logit; the lowest index wins ties, NaN never wins (0 when every value
@@ -476,6 +770,140 @@ mod tests {
             .count();
         // Expected 3000 (p = 0.75); 5 standard deviations is ±137.
         assert!((2863..=3137).contains(&ones), "{ones}");
+    }
+
+    /// Draws `n` tokens; how often each came.
+    fn histogram(s: &mut Sampler, logits: &[f32], output: &[u32], n: usize) -> Vec<usize> {
+        let mut seen = vec![0; logits.len()];
+        for _ in 0..n {
+            seen[s.sample(logits, &[], output) as usize] += 1;
+        }
+        seen
+    }
+
+    /// Each token's count within five standard deviations of `n` draws at its probability
+    /// (plus three, for the tokens that should (almost) never come).
+    fn assert_follows(seen: &[usize], probs: &[f64], n: usize) {
+        for (token, (&count, &p)) in seen.iter().zip(probs).enumerate() {
+            let expected = n as f64 * p;
+            let sd = (n as f64 * p * (1.0 - p)).sqrt();
+            assert!(
+                (count as f64 - expected).abs() <= 5.0 * sd + 3.0,
+                "token {token}: {count} draws, expected {expected:.1} (p = {p:.3e})"
+            );
+        }
+    }
+
+    /// A row longer than several blocks, with NaN, -inf, ties, a penalised entry and a wide
+    /// spread of logits.
+    fn spread_row() -> (Vec<f32>, Vec<u32>) {
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        let mut logits: Vec<f32> = (0..300).map(|_| rng.random_range(-6.0..2.0)).collect();
+        for (i, l) in [(3, 4.0), (70, 4.0), (150, 3.5), (299, 3.0), (64, 2.5)] {
+            logits[i] = l;
+        }
+        logits[10] = f32::NAN;
+        logits[11] = f32::NEG_INFINITY;
+        // Token 70 appears twice in the output: 4.0 - 2 * 0.5 = 3.0.
+        (logits, vec![70, 70])
+    }
+
+    /// The softmax of `logits / temperature` in f64, token 70 penalised as `spread_row` says.
+    fn softmax(logits: &[f32], temperature: f64) -> Vec<f64> {
+        let scaled: Vec<f64> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| match i {
+                70 => (l as f64 - 1.0) / temperature,
+                _ if l.is_nan() => f64::NEG_INFINITY,
+                _ => l as f64 / temperature,
+            })
+            .collect();
+        let max = scaled.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scaled.iter().map(|v| (v - max).exp()).collect();
+        let total: f64 = w.iter().sum();
+        w.iter().map(|w| w / total).collect()
+    }
+
+    /// Top-p 1 scans the softmax in token order instead of sorting it: the token each draw
+    /// maps to changed, so the distribution itself is checked, against probabilities
+    /// computed here independently.
+    #[test]
+    fn temperature_sampling_follows_the_softmax() {
+        let (logits, output) = spread_row();
+        let n = 200_000;
+        for (temperature, seed) in [(1.0, 1), (0.7, 2)] {
+            let mut s = sampler(SamplingParams {
+                temperature,
+                frequency_penalty: 0.5,
+                seed: Some(seed),
+                ..SamplingParams::default()
+            });
+            let seen = histogram(&mut s, &logits, &output, n);
+            assert_eq!(seen[10] + seen[11], 0, "NaN and -inf are never drawn");
+            assert_follows(&seen, &softmax(&logits, temperature as f64), n);
+        }
+    }
+
+    /// Min-p, top-p and both, by their definitions over the sorted softmax in f64; the
+    /// nucleus of the flat row holds hundreds of tokens, so it is sorted in several rounds.
+    #[test]
+    fn min_p_and_top_p_keep_the_defined_tokens() {
+        let (logits, output) = spread_row();
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let flat: Vec<f32> = (0..1000).map(|_| rng.random_range(-1.0..1.0)).collect();
+        for (row, min_p, top_p) in [
+            (&logits, 0.0f32, 0.9f32),
+            (&logits, 0.1, 1.0),
+            (&logits, 0.05, 0.8),
+            (&flat, 0.0, 0.9),
+        ] {
+            let n = 50_000;
+            let output: &[u32] = if row.len() == 300 { &output } else { &[] };
+            let mut probs = if row.len() == 300 {
+                softmax(row, 1.0)
+            } else {
+                let w: Vec<f64> = row.iter().map(|&l| (l as f64).exp()).collect();
+                let total: f64 = w.iter().sum();
+                w.iter().map(|w| w / total).collect()
+            };
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+            let top = probs[order[0]];
+            let mut keep = order
+                .iter()
+                .take_while(|&&i| probs[i] >= min_p as f64 * top)
+                .count();
+            let mut cum = 0.0;
+            for (k, &i) in order[..keep].iter().enumerate() {
+                cum += probs[i];
+                if cum >= top_p as f64 {
+                    // Far from the boundary, so rounding cannot move it.
+                    assert!(cum - top_p as f64 > 1e-5 && cum - probs[i] < top_p as f64 - 1e-5);
+                    keep = k + 1;
+                    break;
+                }
+            }
+            let mass: f64 = order[..keep].iter().map(|&i| probs[i]).sum();
+            let kept: std::collections::HashSet<usize> = order[..keep].iter().copied().collect();
+            for (i, p) in probs.iter_mut().enumerate() {
+                *p = if kept.contains(&i) { *p / mass } else { 0.0 };
+            }
+            let mut s = sampler(SamplingParams {
+                min_p,
+                top_p,
+                frequency_penalty: 0.5,
+                seed: Some(8),
+                ..SamplingParams::default()
+            });
+            let seen = histogram(&mut s, row, output, n);
+            let drawn = seen.iter().filter(|&&c| c > 0).count();
+            assert!(
+                drawn <= keep,
+                "min_p {min_p}, top_p {top_p}: {drawn} tokens drawn, {keep} kept"
+            );
+            assert_follows(&seen, &probs, n);
+        }
     }
 
     #[test]
