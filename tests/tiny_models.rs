@@ -219,6 +219,98 @@ fn hf_directory_and_gguf_of_the_same_weights_agree() {
     assert_eq!(la, lb);
 }
 
+/// A sequence that does not ask for logits (a prefill chunk that does not end its prompt)
+/// gets no row: the others' rows are those of the same batch where every sequence asks, in
+/// batch order; its K/V are still written, so its next chunk continues from them; and a batch
+/// where nobody asks returns no rows at all.
+#[test]
+fn only_sequences_that_ask_for_logits_get_a_row() {
+    use candle_core::Tensor;
+    use tokenrouter::model::{BlockTable, KvCache, SeqInput};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    let spec = TinySpec::new(Architecture::Qwen2);
+    write_gguf(&spec, &path, &[GgmlDType::F32]).unwrap();
+    let model = LoadedModel::load(&path, &Device::Cpu).unwrap().model;
+    let rows = |t: &Tensor| t.to_vec2::<f32>().unwrap();
+    let close = |a: &[f32], b: &[f32]| {
+        let diff = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(a.len() == b.len() && diff < 1e-4, "differ by {diff}");
+    };
+    let long: Vec<u32> = (1..=20).collect();
+    let short = [5u32, 6, 7];
+    // The first 12 tokens of `long` with or without logits, then `short` and one more token.
+    let run = |chunk_logits: bool| {
+        let mut kv = KvCache::with_capacity(model.config(), 16, 128, KvDtype::F32).unwrap();
+        let mut tables = [
+            BlockTable::default(),
+            BlockTable::default(),
+            BlockTable::default(),
+        ];
+        for (table, len) in tables.iter_mut().zip([long.len(), short.len(), 1]) {
+            kv.reserve(table, len).unwrap();
+        }
+        let batch: Vec<SeqInput> = [
+            (&long[..12], chunk_logits),
+            (&short[..], true),
+            (&[9], true),
+        ]
+        .into_iter()
+        .zip(&tables)
+        .map(|((tokens, logits), table)| SeqInput {
+            tokens,
+            start_pos: 0,
+            blocks: table.blocks(),
+            logits,
+        })
+        .collect();
+        let out = model.forward(&batch, &mut kv, true).unwrap();
+        (out, kv, tables)
+    };
+    let (all, ..) = run(true);
+    let (some, mut kv, tables) = run(false);
+    assert_eq!(all.logits.dims(), &[3, spec.vocab_size()]);
+    assert_eq!(some.logits.dims(), &[2, spec.vocab_size()]);
+    assert_eq!(some.hidden.as_ref().unwrap().dims(), &[2, spec.hidden_size]);
+    for (got, want) in rows(&some.logits).iter().zip(&rows(&all.logits)[1..]) {
+        close(got, want);
+    }
+    let rest = SeqInput {
+        tokens: &long[12..],
+        start_pos: 12,
+        blocks: tables[0].blocks(),
+        logits: true,
+    };
+    let continued = model.forward(&[rest], &mut kv, false).unwrap();
+    let whole = {
+        let mut kv = KvCache::with_capacity(model.config(), 16, 128, KvDtype::F32).unwrap();
+        let mut table = BlockTable::default();
+        kv.reserve(&mut table, long.len()).unwrap();
+        let input = SeqInput {
+            tokens: &long,
+            start_pos: 0,
+            blocks: table.blocks(),
+            logits: true,
+        };
+        model.forward(&[input], &mut kv, false).unwrap()
+    };
+    close(&rows(&continued.logits)[0], &rows(&whole.logits)[0]);
+    let silent = SeqInput {
+        tokens: &[3],
+        start_pos: 20,
+        blocks: tables[0].blocks(),
+        logits: false,
+    };
+    // (Two blocks of 16 hold position 20 already.)
+    let none = model.forward(&[silent], &mut kv, true).unwrap();
+    assert_eq!(none.logits.dims(), &[0, spec.vocab_size()]);
+    assert_eq!(none.hidden.unwrap().dims(), &[0, spec.hidden_size]);
+}
+
 #[test]
 fn hidden_state_is_the_final_normed_state_the_lm_head_reads() {
     use candle_core::Tensor;

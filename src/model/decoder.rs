@@ -4,9 +4,11 @@
 //! One forward call takes a batch in which every sequence brings its own new tokens (a prefill
 //! chunk, an extend or a single decode token) at its own position. All new tokens of the batch
 //! go through the matmuls together as one `[tokens, hidden]` matrix; attention reads each
-//! sequence's blocks in place. The call returns, per sequence, the logits of its last new
-//! position and, on request, the final (post-norm) hidden state there. The model keeps no
-//! per-request state and knows nothing of scheduling.
+//! sequence's blocks in place. The call returns, for each sequence that asks for them
+//! ([`SeqInput::logits`]), the logits of its last new position and, on request, the final
+//! (post-norm) hidden state there; the LM head runs only over those rows, so a prefill chunk
+//! that does not end its prompt costs no LM head. The model keeps no per-request state and
+//! knows nothing of scheduling.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -29,12 +31,18 @@ pub struct SeqInput<'a> {
     /// KV block ids of the sequence, in order; must already hold `start_pos + tokens.len()`
     /// positions (see [`KvCache::reserve`]).
     pub blocks: &'a [u32],
+    /// Whether the caller reads the logits (and hidden state) at the last new position: false
+    /// for a prefill chunk that does not end the sequence's known tokens, whose K/V are all
+    /// the step is for. [`Model::forward_all_positions`] ignores it.
+    pub logits: bool,
 }
 
 pub struct ForwardOutput {
-    /// `[sequences, vocab]`, `f32`: logits at each sequence's last new position.
+    /// `[rows, vocab]`, `f32`: logits at the last new position of each sequence with
+    /// [`SeqInput::logits`], in batch order (row `i` is the `i`-th such sequence, not the
+    /// `i`-th of the batch).
     pub logits: Tensor,
-    /// `[sequences, hidden]`: the final normalised hidden state there, when asked for.
+    /// `[rows, hidden]`: the final normalised hidden state there, when asked for.
     pub hidden: Option<Tensor>,
 }
 
@@ -298,20 +306,27 @@ impl Model {
         Ok(out)
     }
 
-    /// Runs every sequence's new tokens and returns their last-position logits.
+    /// Runs every sequence's new tokens (writing their K/V) and returns the last-position
+    /// logits of the sequences that ask for them.
     pub fn forward(
         &self,
         batch: &[SeqInput],
         kv: &mut KvCache,
         want_hidden: bool,
     ) -> Result<ForwardOutput> {
-        let Some((x, last_rows)) = self.trunk(batch, kv)? else {
+        let head = batch.iter().any(|s| s.logits);
+        let Some((x, last_rows)) = self.trunk(batch, kv, head)? else {
             return self.empty_output(want_hidden);
         };
+        if !head {
+            return self.empty_output(want_hidden);
+        }
         let h = self.config.hidden_size;
-        let last: Vec<f32> = last_rows
+        let last: Vec<f32> = batch
             .iter()
-            .flat_map(|&r| &x[r * h..(r + 1) * h])
+            .zip(&last_rows)
+            .filter(|(s, _)| s.logits)
+            .flat_map(|(_, &r)| &x[r * h..(r + 1) * h])
             .copied()
             .collect();
         self.head(last, want_hidden)
@@ -325,7 +340,7 @@ impl Model {
         batch: &[SeqInput],
         kv: &mut KvCache,
     ) -> Result<ForwardOutput> {
-        let Some((x, _)) = self.trunk(batch, kv)? else {
+        let Some((x, _)) = self.trunk(batch, kv, true)? else {
             return self.empty_output(true);
         };
         self.head(x, true)
@@ -358,10 +373,12 @@ impl Model {
     /// The decoder layers over every new token of the batch: the residual stream before the
     /// final norm (`[tokens, hidden]`, row-major), and each sequence's last row in it (`None`
     /// when the batch is empty). Everything between the matmuls works on plain rows in place.
+    /// `head`: the LM head runs next (its weights are prefetched during the last layer).
     fn trunk(
         &self,
         batch: &[SeqInput],
         kv: &mut KvCache,
+        head: bool,
     ) -> Result<Option<(Vec<f32>, Vec<usize>)>> {
         let c = &self.config;
         self.validate_batch(batch, kv)?;
@@ -407,7 +424,8 @@ impl Model {
             })?;
             match self.layers.get(i + 1) {
                 Some(next) => next.attn.qkv.prefetch_ahead(),
-                None => self.lm_head.prefetch_ahead(),
+                None if head => self.lm_head.prefetch_ahead(),
+                None => {}
             }
             ffn_out = Some(timed(Part::Down, || {
                 layer.mlp.down.forward_rows(&gated, t)

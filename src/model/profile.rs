@@ -118,7 +118,7 @@ pub fn timed<R>(part: Part, f: impl FnOnce() -> R) -> R {
 }
 
 /// The time accounted since the last call (zeroing it), `None` while the breakdown is off.
-fn take_breakdown() -> Option<Breakdown> {
+pub fn take_breakdown() -> Option<Breakdown> {
     let secs = |part: Part| PART_NANOS[part as usize].swap(0, Ordering::Relaxed) as f64 / 1e9;
     let breakdown = Breakdown {
         matmul: secs(Part::Matmul),

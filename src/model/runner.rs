@@ -47,7 +47,7 @@ impl Sequence {
 }
 
 /// One forward pass over every sequence's not-yet-computed tokens (prefill, extend or decode),
-/// reserving their KV blocks first. Row `i` of the logits belongs to `seqs[i]`.
+/// reserving their KV blocks first. Every sequence gets logits: row `i` belongs to `seqs[i]`.
 pub fn step(
     model: &Model,
     kv: &mut KvCache,
@@ -68,6 +68,7 @@ pub fn step(
             tokens: &s.tokens[s.computed..],
             start_pos: s.computed,
             blocks: s.table.blocks(),
+            logits: true,
         })
         .collect();
     let out = model.forward(&inputs, kv, want_hidden)?;
@@ -87,6 +88,7 @@ pub fn score_text(model: &Model, tokens: &[u32]) -> Result<ForwardOutput> {
         tokens,
         start_pos: 0,
         blocks: seq.table.blocks(),
+        logits: true,
     };
     model.forward_all_positions(&[input], &mut kv)
 }

@@ -60,10 +60,11 @@ impl ModelWorker {
         }
     }
 
-    /// Runs the batch over the blocks the scheduler assigned; returns its logits,
-    /// `[items, vocab]` (read in place by [`with_f32_values`]), and (when the router reads
-    /// them) hidden states, `[items, hidden]`. A panic inside the model is caught and reported
-    /// like an error.
+    /// Runs the batch over the blocks the scheduler assigned; returns the logits of the
+    /// sampling items, `[sampling items, vocab]` in plan order (read in place by
+    /// [`with_f32_values`]), and (when the router reads them) their hidden states,
+    /// `[sampling items, hidden]`. A panic inside the model is caught and reported like an
+    /// error.
     fn forward(&mut self, plan: &Plan) -> Result<(Tensor, Vec<f32>), String> {
         let inputs: Vec<SeqInput> = plan
             .items
@@ -74,6 +75,7 @@ impl ModelWorker {
                     tokens: &local.tokens[item.start..item.start + item.num_tokens],
                     start_pos: item.start,
                     blocks: self.sched.blocks(item.id),
+                    logits: item.samples,
                 }
             })
             .collect();
@@ -113,10 +115,7 @@ impl ModelWorker {
         self.sched.advance(plan);
         let vocab = self.model.model.config().vocab_size;
         let mut sampled = Vec::new();
-        for (row, item) in plan.items.iter().enumerate() {
-            if !item.samples {
-                continue;
-            }
+        for (row, item) in plan.items.iter().filter(|item| item.samples).enumerate() {
             let local = self.requests.get_mut(&item.id).expect("planned request");
             let (prompt, output) = local.tokens.split_at(local.meta.prompt_len);
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
