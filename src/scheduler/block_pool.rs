@@ -8,9 +8,11 @@
 //! request (shared blocks are full and never written again); a cached block nobody uses stays
 //! reusable until memory is needed, then the least recently released one is evicted first;
 //! `available()` counts free and evictable blocks, so a pool with no users is entirely
-//! available.
+//! available. Every change to the index bumps a generation counter and is journaled (the last
+//! `num_blocks` of them), so a copy of the index kept elsewhere can follow it change by change
+//! ([`BlockPool::changes_since`]) instead of being rebuilt whole.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 /// Hash of a token prefix that ends at a block boundary.
@@ -43,6 +45,16 @@ pub struct BlockPool {
     tick: u64,
     /// Bumped whenever the index gains or loses a prefix.
     generation: u64,
+    /// The latest index changes, oldest first: (generation it made, prefix, added). At most
+    /// `num_blocks` are kept: replaying more would cost more than reading the whole index.
+    journal: VecDeque<(u64, PrefixHash, bool)>,
+}
+
+/// One change to the indexed prefixes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixChange {
+    Added(PrefixHash),
+    Removed(PrefixHash),
 }
 
 impl BlockPool {
@@ -54,6 +66,7 @@ impl BlockPool {
             evictable: BTreeMap::new(),
             tick: 0,
             generation: 0,
+            journal: VecDeque::new(),
         }
     }
 
@@ -79,11 +92,11 @@ impl BlockPool {
             None => {
                 let (_, id) = self.evictable.pop_first()?;
                 let state = &mut self.blocks[id as usize];
+                state.lru_tick = None;
                 if let Some(hash) = state.hash.take() {
                     self.index.remove(&hash);
-                    self.generation += 1;
+                    self.record(hash, false);
                 }
-                state.lru_tick = None;
                 id
             }
         };
@@ -116,12 +129,41 @@ impl BlockPool {
         }
         self.index.insert(hash, id);
         self.blocks[id as usize].hash = Some(hash);
+        self.record(hash, true);
+    }
+
+    /// Counts one change to the index and journals it.
+    fn record(&mut self, hash: PrefixHash, added: bool) {
         self.generation += 1;
+        if self.journal.len() == self.blocks.len().max(1) {
+            self.journal.pop_front();
+        }
+        self.journal.push_back((self.generation, hash, added));
     }
 
     /// Changes whenever the set of indexed prefixes does.
     pub fn generation(&self) -> u64 {
         self.generation
+    }
+
+    /// The index's changes since it was at generation `since`, oldest first; `None` when the
+    /// journal no longer reaches back that far (read [`BlockPool::indexed`] instead).
+    pub fn changes_since(&self, since: u64) -> Option<impl Iterator<Item = PrefixChange> + '_> {
+        let oldest = self
+            .journal
+            .front()
+            .map_or(self.generation + 1, |&(g, ..)| g);
+        if since > self.generation || since + 1 < oldest {
+            return None;
+        }
+        let skip = (since + 1 - oldest) as usize;
+        Some(self.journal.iter().skip(skip).map(|&(_, hash, added)| {
+            if added {
+                PrefixChange::Added(hash)
+            } else {
+                PrefixChange::Removed(hash)
+            }
+        }))
     }
 
     /// Every indexed prefix.
@@ -149,6 +191,8 @@ impl BlockPool {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+
     use super::*;
 
     #[test]
@@ -187,6 +231,40 @@ mod tests {
         assert!(c != a && c != b, "free blocks go before cached ones");
         assert_eq!(pool.allocate(), Some(b), "b was released before a");
         assert_eq!(pool.lookup(&[h1, h2]), [a], "b's prefix was evicted");
+    }
+
+    /// Replaying the journal onto an earlier copy of the index gives the index now, from
+    /// any generation the journal still reaches; from older ones it says so.
+    #[test]
+    fn changes_since_an_earlier_generation_rebuild_the_index() {
+        let mut pool = BlockPool::new(4);
+        let mut copies = vec![(0, HashSet::new())];
+        for i in 0..12u32 {
+            let id = pool.allocate().unwrap();
+            pool.register(id, chain_hash(None, &[i]));
+            pool.release(id);
+            copies.push((pool.generation(), pool.indexed().collect::<HashSet<_>>()));
+        }
+        let now: HashSet<_> = pool.indexed().collect();
+        for (generation, mut copy) in copies {
+            let Some(changes) = pool.changes_since(generation) else {
+                // Four blocks keep four changes: two steps (an eviction and a registration).
+                assert!(
+                    generation + 4 < pool.generation(),
+                    "generation {generation}"
+                );
+                continue;
+            };
+            for change in changes {
+                match change {
+                    PrefixChange::Added(h) => assert!(copy.insert(h)),
+                    PrefixChange::Removed(h) => assert!(copy.remove(&h)),
+                }
+            }
+            assert_eq!(copy, now, "from generation {generation}");
+        }
+        assert_eq!(pool.changes_since(pool.generation()).unwrap().count(), 0);
+        assert!(pool.changes_since(pool.generation() + 1).is_none());
     }
 
     #[test]

@@ -27,7 +27,7 @@ mod published;
 use std::collections::HashMap;
 use std::time::Instant;
 
-pub use block_pool::{chain_hash, BlockPool, PrefixHash};
+pub use block_pool::{chain_hash, BlockPool, PrefixChange, PrefixHash};
 pub use executor::{Decision, DeviceQueue, StepAsk};
 pub use launch::{DelayedBatching, LaunchPolicy, ReadyQueue};
 pub use lockstep::LockStep;

@@ -2,12 +2,17 @@
 //! that change them, so that readers on other threads (the HTTP server answering a gateway's
 //! "how much of this prompt do you hold?") never wait for a forward pass. Readers see the set
 //! as of the last publication: exact up to one step.
+//!
+//! A publication costs what changed since the last one, not the size of the set: the pool's
+//! journal of index changes is replayed onto the published set (copied first only if a reader
+//! holds it at that moment); only when the journal no longer reaches back that far is the set
+//! rebuilt from the whole index.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use super::block_pool::{chain_hash, BlockPool, PrefixHash};
+use super::block_pool::{chain_hash, BlockPool, PrefixChange, PrefixHash};
 
 #[derive(Default)]
 pub struct PublishedPrefixes {
@@ -17,13 +22,27 @@ pub struct PublishedPrefixes {
 }
 
 impl PublishedPrefixes {
-    /// Replaces the set when the pool changed since the last publication.
+    /// Brings the set up to the pool's when the pool changed since the last publication:
+    /// by replaying the changes since, or by reading the whole index when they are no longer
+    /// journaled.
     pub fn publish(&self, pool: &BlockPool) {
-        if self.generation.load(Ordering::Acquire) == pool.generation() {
+        let published = self.generation.load(Ordering::Acquire);
+        if published == pool.generation() {
             return;
         }
-        let set = Arc::new(pool.indexed().collect::<HashSet<_>>());
-        *self.set.write().unwrap_or_else(|e| e.into_inner()) = set;
+        let mut set = self.set.write().unwrap_or_else(|e| e.into_inner());
+        match pool.changes_since(published) {
+            Some(changes) => {
+                let set = Arc::make_mut(&mut set);
+                for change in changes {
+                    match change {
+                        PrefixChange::Added(hash) => set.insert(hash),
+                        PrefixChange::Removed(hash) => set.remove(&hash),
+                    };
+                }
+            }
+            None => *set = Arc::new(pool.indexed().collect()),
+        }
         self.generation.store(pool.generation(), Ordering::Release);
     }
 
@@ -74,6 +93,34 @@ mod tests {
         // A prompt that differs in the first block shares nothing.
         let other: Vec<u32> = (1..11).collect();
         assert_eq!(published.cached_tokens(&other, 4), 0);
+    }
+
+    /// Published after every change, after several, or after more than the journal keeps:
+    /// the set is always the pool's index.
+    #[test]
+    fn publications_follow_the_index_however_far_apart() {
+        let mut pool = BlockPool::new(8);
+        let published = PublishedPrefixes::default();
+        let mut held = Vec::new();
+        for i in 0..200u32 {
+            // Some blocks stay referenced for a while, so evictions skip them.
+            let id = pool.allocate().unwrap();
+            pool.register(id, chain_hash(None, &[i % 50]));
+            if i % 3 == 0 {
+                held.push(id);
+            } else {
+                pool.release(id);
+            }
+            if held.len() > 2 {
+                pool.release(held.remove(0));
+            }
+            // Publication gaps of 1 to 12 steps; the journal keeps 8 changes.
+            if i % (1 + i % 12) == 0 {
+                published.publish(&pool);
+                let set = published.set.read().unwrap().clone();
+                assert_eq!(*set, pool.indexed().collect::<HashSet<_>>(), "step {i}");
+            }
+        }
     }
 
     #[test]
