@@ -1,6 +1,7 @@
 //! The actor runtime on two tiny random models that share a tokenizer: token-routed greedy
-//! output equals the full-recompute oracle in every scheduling mode, and no workload (cancelled,
-//! stopped, preempted, prefix-cached requests) leaks a KV block or a terminal event.
+//! output equals the full-recompute oracle in every scheduling mode, no workload (cancelled,
+//! stopped, preempted, prefix-cached requests) leaks a KV block or a terminal event, and each
+//! model is told once of each request's end.
 
 mod common;
 
@@ -164,6 +165,49 @@ fn cancelled_stopped_and_preempted_requests_leave_no_blocks_behind() {
             }
             (other, _) => panic!("request {k} of round {round} ended with {other:?}"),
         }
+    }
+}
+
+/// Each model hears once of each request that ends after reaching it, whoever ends it: the
+/// committing model (max_tokens, end of sequence) or the request actor (a stop string, a
+/// cancellation).
+#[test]
+fn every_model_receives_one_release_per_ended_request() {
+    let pair = tiny_pair();
+    let [(_, routing), _] = rules(&pair);
+    let config = config(
+        pair.dir.path(),
+        &format!("{routing}[memory]\nkv_budget_mb = 1\n[scheduler]\nmode = \"eager\"\n"),
+    );
+    let (ended, stats) = with_runtime(&config, &pair, async |rt| {
+        let mut handles = Vec::new();
+        for p in prompts() {
+            let until_length = |max_tokens| {
+                let mut req = greedy(&p, max_tokens);
+                req.ignore_eos = true;
+                req
+            };
+            handles.push((rt.submit(until_length(12)), None));
+            handles.push((rt.submit(greedy(&p, 12)), None));
+            let mut stopped = until_length(24);
+            stopped.stop = vec!["e".into()];
+            handles.push((rt.submit(stopped), None));
+            handles.push((rt.submit(until_length(24)), Some(2)));
+        }
+        let tasks: Vec<_> = handles
+            .into_iter()
+            .map(|(h, cancel)| actix::spawn(collect(h, cancel)))
+            .collect();
+        for task in tasks {
+            let out = task.await.unwrap();
+            assert_eq!(out.terminals.len(), 1, "{:?}", out.terminals);
+        }
+        // A late second release would arrive within this.
+        actix_rt::time::sleep(std::time::Duration::from_millis(200)).await;
+        (4 * prompts().len() as u64, rt.stats().await)
+    });
+    for s in &stats {
+        assert_eq!(s.releases, ended, "{}: {s:?}", s.name);
     }
 }
 

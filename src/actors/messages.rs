@@ -61,7 +61,9 @@ pub struct Submit {
     pub prompt: Vec<u32>,
 }
 
-/// The request actor ends a request (stop string, cancellation): every model drops its state.
+/// The request ended, whoever ended it (a model's stop or failure, a stop string, a
+/// cancellation, its listener gone): every model drops its state. The request actor sends one
+/// to each model for every request it submitted, and nothing else tells models of an end.
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
 pub struct Abort {
@@ -81,8 +83,6 @@ pub struct Handoff {
 
 pub enum PeerBody {
     Handoff(Handoff),
-    /// The request ended at the sender; drop any pending state.
-    Release(RequestId),
     /// Lock-step mode: the sender finished this round.
     RoundDone(u64),
     /// Nothing but the counter below.

@@ -2,8 +2,9 @@
 //! validates, submits to the first model, turns token events into text (incrementally, never
 //! splitting a UTF-8 character, holding back what may begin a stop string), applies the stop
 //! conditions, times the request, attributes every token to its model, and ends with exactly
-//! one terminal event: finished, failed or cancelled. Ending early aborts the request on every
-//! model.
+//! one terminal event: finished, failed or cancelled. However a submitted request ends, this
+//! actor alone tells the models: one abort to each, sent before the terminal event, so that
+//! whatever the listener does next finds the request's blocks already freed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -130,6 +131,8 @@ pub struct RequestActor {
     request: Option<GenerateRequest>,
     state: Option<RequestState>,
     events: UnboundedSender<RequestEvent>,
+    /// The request went to a model, so its end must be told to every model.
+    submitted: bool,
     ended: bool,
 }
 
@@ -146,6 +149,7 @@ impl RequestActor {
             request: Some(request),
             state: None,
             events,
+            submitted: false,
             ended: false,
         }
     }
@@ -157,7 +161,7 @@ impl RequestActor {
         }
         let terminal = event.is_terminal();
         if self.events.send(event).is_err() && !terminal {
-            return self.end(RequestEvent::Cancelled, true, ctx);
+            return self.end(RequestEvent::Cancelled, ctx);
         }
         if terminal {
             self.ended = true;
@@ -165,9 +169,13 @@ impl RequestActor {
         }
     }
 
-    /// Emits the terminal event, aborting the request on every model when `abort`.
-    fn end(&mut self, event: RequestEvent, abort: bool, ctx: &mut Context<Self>) {
-        if abort {
+    /// Emits the terminal event, once; a submitted request is first aborted on every model,
+    /// including one that ended it already (it alone does not tell its peers).
+    fn end(&mut self, event: RequestEvent, ctx: &mut Context<Self>) {
+        if self.ended {
+            return;
+        }
+        if self.submitted {
             for model in &self.shared.models {
                 model.do_send(Abort { id: self.id });
             }
@@ -197,7 +205,7 @@ impl Actor for RequestActor {
         let _span = tracing::debug_span!("request", id = self.id).entered();
         let admitted = match self.shared.prepare(&request) {
             Ok(a) => a,
-            Err(e) => return self.end(RequestEvent::Failed(e), false, ctx),
+            Err(e) => return self.end(RequestEvent::Failed(e), ctx),
         };
         let first = self.shared.router.first_model(&admitted.prompt);
         let meta = Arc::new(RequestMeta {
@@ -226,6 +234,11 @@ impl Actor for RequestActor {
             },
             ctx,
         );
+        if self.ended {
+            // The listener is gone already: no model hears of the request.
+            return;
+        }
+        self.submitted = true;
         self.shared.models[first].do_send(Submit {
             meta,
             prompt: admitted.prompt,
@@ -244,11 +257,7 @@ impl Handler<TokenEvent> for RequestActor {
                 let (text, ending) = state.on_token(token, model, Instant::now());
                 self.emit(text, ctx);
                 if let Some(summary) = ending {
-                    // Also on end-of-sequence and max_tokens, where the committing model ends
-                    // the request itself: aborting here puts the release in every model's
-                    // mailbox before the terminal event is seen, so whatever the listener
-                    // sends next finds the blocks already freed.
-                    self.end(RequestEvent::Finished(summary), true, ctx);
+                    self.end(RequestEvent::Finished(summary), ctx);
                 }
             }
             TokenEvent::Moved { from, to } => {
@@ -260,14 +269,14 @@ impl Handler<TokenEvent> for RequestActor {
                 if let Some(text) = rest {
                     self.emit(text, ctx);
                 }
-                self.end(RequestEvent::Finished(summary), false, ctx);
+                self.end(RequestEvent::Finished(summary), ctx);
             }
             TokenEvent::Failed { message } => {
                 let error = RequestError {
                     kind: ErrorKind::Internal,
                     message,
                 };
-                self.end(RequestEvent::Failed(error), true, ctx);
+                self.end(RequestEvent::Failed(error), ctx);
             }
         }
     }
@@ -276,6 +285,6 @@ impl Handler<TokenEvent> for RequestActor {
 impl Handler<Cancel> for RequestActor {
     type Result = ();
     fn handle(&mut self, _: Cancel, ctx: &mut Context<Self>) {
-        self.end(RequestEvent::Cancelled, true, ctx);
+        self.end(RequestEvent::Cancelled, ctx);
     }
 }

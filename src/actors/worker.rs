@@ -2,10 +2,11 @@
 //! messages to it and the peer messages it queues. Owns the KV cache, the scheduler, the
 //! requests present here (running or pending) and the co-located routing function.
 //!
-//! Guarantees: a request removed here (finished, aborted, released by a peer, or whose listener
-//! is gone) gives back all its blocks and is remembered for a while, so a handoff still in
-//! flight for it is dropped instead of leaking; only the request's home model counts it in the
-//! active-request estimate, once in and once out.
+//! Guarantees: a request removed here (finished, failed, aborted, or whose listener is gone)
+//! gives back all its blocks and is remembered for a while, so a handoff still in flight for it
+//! is dropped instead of leaking; only the request's home model counts it in the active-request
+//! estimate, once in and once out. Peers learn that a request ended from its request actor
+//! alone (one abort each, whoever ended it), so a model that ends a request tells no peer.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -73,6 +74,8 @@ pub struct WorkerStats {
     pub batched_requests: u64,
     pub tokens_committed: u64,
     pub handoffs_out: u64,
+    /// Aborts received: one per request that ended after its submission, whoever ended it.
+    pub releases: u64,
     pub preemptions: u64,
     pub active_estimate: i64,
     /// The delayed-batching threshold in force.
@@ -220,7 +223,7 @@ impl ModelWorker {
                 meta.sink.send(TokenEvent::Failed {
                     message: e.to_string(),
                 });
-                return self.end(meta.id, true);
+                return self.end(meta.id);
             }
         };
         if tokens.is_empty() || tokens.len() >= self.max_len {
@@ -232,7 +235,7 @@ impl ModelWorker {
                     self.max_len - 1
                 ),
             });
-            return self.end(meta.id, true);
+            return self.end(meta.id);
         }
         self.sched.add(meta.id, &tokens, now);
         let local = Local {
@@ -245,13 +248,14 @@ impl ModelWorker {
         self.requests.insert(local.meta.id, local);
     }
 
-    /// The request actor ended the request.
+    /// The request actor ended the request (whoever ended it first).
     pub fn abort(&mut self, id: RequestId) {
-        self.end(id, false);
+        self.stats.releases += 1;
+        self.end(id);
     }
 
-    /// Drops every trace of `id` here, telling the peers too when `tell_peers`.
-    fn end(&mut self, id: RequestId, tell_peers: bool) {
+    /// Drops every trace of `id` here.
+    fn end(&mut self, id: RequestId) {
         if let Some(local) = self.requests.remove(&id) {
             self.sched.finish(id);
             if local.meta.home == self.index {
@@ -265,11 +269,6 @@ impl ModelWorker {
                 self.ended.remove(&old);
             }
         }
-        if tell_peers {
-            for peer in self.peers() {
-                self.send(peer, PeerBody::Release(id));
-            }
-        }
     }
 
     pub fn peer_message(&mut self, msg: PeerMessage, now: Instant) {
@@ -279,7 +278,6 @@ impl ModelWorker {
         }
         match msg.body {
             PeerBody::Handoff(h) => self.handoff(msg.from, h, now),
-            PeerBody::Release(id) => self.end(id, false),
             PeerBody::RoundDone(round) => self.lockstep.peer_finished(msg.from, round),
             PeerBody::Counters => {}
         }

@@ -235,7 +235,7 @@ impl ModelWorker {
             from: self.index,
             to,
         }) {
-            return self.end(id, true);
+            return self.end(id);
         }
         self.stats.handoffs_out += 1;
         self.handed[to] += 1;
@@ -260,7 +260,7 @@ impl ModelWorker {
         let meta = local.meta.clone();
         let generated = local.tokens.len() - meta.prompt_len;
         if !meta.sink.send(TokenEvent::Token { token, model }) {
-            self.end(id, true);
+            self.end(id);
             return false;
         }
         let reason = if meta.stop_ids.contains(&token) {
@@ -271,7 +271,7 @@ impl ModelWorker {
             return true;
         };
         meta.sink.send(TokenEvent::Finished { reason });
-        self.end(id, true);
+        self.end(id);
         false
     }
 
@@ -283,7 +283,7 @@ impl ModelWorker {
                     message: message.to_string(),
                 });
             }
-            self.end(item.id, true);
+            self.end(item.id);
         }
     }
 }
