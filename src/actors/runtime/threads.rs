@@ -1,10 +1,11 @@
-//! The compute-thread budget: how many kernel threads each model actor gets.
+//! The compute-thread budget: how many cores each model gets when `[compute] split =
+//! "by-size"` gives every model a device of its own on disjoint cores (placement).
 
 use crate::config::CoreSplit;
 
 /// Threads per model: a model with `requested[i]` set gets that many. With
-/// [`CoreSplit::Shared`] every other model gets all `cores` (measured fastest on a small
-/// machine, where models mostly take turns: see the README). With [`CoreSplit::BySize`] the
+/// [`CoreSplit::Shared`] every other model gets all `cores` (the models then share one device
+/// and take turns on it: docs/benchmarks.md, "Core split"). With [`CoreSplit::BySize`] the
 /// cores left are split among the others in proportion to `weight_bytes` (a step streams its
 /// weights, so time per step grows with them), at least one each, never more in total than
 /// `cores` unless the requests ask for it or there are more models than cores.
