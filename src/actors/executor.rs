@@ -1,8 +1,7 @@
 //! The device executor: one actor per device, ordering the steps of the models placed there
 //! like a GPU's stream scheduler orders kernels. Model actors stay autonomous (routing, KV,
 //! handoffs and peer messages never pass through here); they only ask for a step and report
-//! its end. The decision logic is [`DeviceQueue`]'s; this actor delivers asks and grants and
-//! keeps the queue's counters for the metrics.
+//! its end. The decision logic is [`DeviceQueue`]'s; this actor delivers asks and grants.
 
 use std::time::Instant;
 
@@ -32,11 +31,6 @@ pub struct StepDone {
     pub ask: Option<StepAsk>,
     pub handed: Vec<(usize, usize)>,
 }
-
-/// Steps granted so far, by slot.
-#[derive(Message)]
-#[rtype(result = "Vec<u64>")]
-pub struct GetGrants;
 
 /// Gives the executor its models' grant recipients, by slot.
 #[derive(Message)]
@@ -101,12 +95,5 @@ impl Handler<StepDone> for DeviceExecutor {
             self.queue.credit(slot, n, now);
         }
         self.dispatch();
-    }
-}
-
-impl Handler<GetGrants> for DeviceExecutor {
-    type Result = actix::MessageResult<GetGrants>;
-    fn handle(&mut self, _: GetGrants, _: &mut Context<Self>) -> Self::Result {
-        actix::MessageResult(self.queue.grants().to_vec())
     }
 }

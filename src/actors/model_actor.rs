@@ -65,12 +65,7 @@ impl ModelActor {
     /// Delivers queued peer messages, starts any threshold solve, runs any empty lock-step
     /// round, and keeps the executor's ask current.
     fn settle(&mut self, ctx: &mut Context<Self>) {
-        self.start_retune(ctx);
-        while self.worker.empty_round_due() {
-            self.worker.step();
-        }
-        let ask = self.next_ask(Instant::now());
-        self.flush(ask.is_none());
+        let ask = self.catch_up(ctx);
         if ask.map(Key::of) != self.asked.map(Key::of) {
             self.asked = ask;
             self.seat.executor.do_send(Ask {
@@ -78,6 +73,18 @@ impl ModelActor {
                 ask,
             });
         }
+    }
+
+    /// Starts any threshold solve, runs any empty lock-step round, and sends the queued peer
+    /// messages; returns the ask the worker has now.
+    fn catch_up(&mut self, ctx: &mut Context<Self>) -> Option<StepAsk> {
+        self.start_retune(ctx);
+        while self.worker.empty_round_due() {
+            self.worker.step();
+        }
+        let ask = self.next_ask(Instant::now());
+        self.flush(ask.is_none());
+        ask
     }
 
     fn start_retune(&mut self, ctx: &mut Context<Self>) {
@@ -165,13 +172,8 @@ impl Handler<Grant> for ModelActor {
             let _span = tracing::debug_span!("step", model = self.worker.name()).entered();
             self.worker.step();
         }
-        self.start_retune(ctx);
-        while self.worker.empty_round_due() {
-            self.worker.step();
-        }
-        let ask = self.next_ask(Instant::now());
         // Handoffs leave before the step's end is reported (see the module header).
-        self.flush(ask.is_none());
+        let ask = self.catch_up(ctx);
         let handed = self
             .worker
             .take_handed()

@@ -48,14 +48,6 @@ impl LaunchPolicy {
             since,
         })
     }
-
-    /// The longest a ready request is held back.
-    pub fn max_wait(&self) -> Duration {
-        match self {
-            Self::Eager => Duration::ZERO,
-            Self::Delayed(d) => d.max_wait,
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,148 @@
+use super::*;
+
+fn load_str(text: &str) -> Result<Config, ConfigError> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    Config::load(&path)
+}
+
+#[test]
+fn relative_model_paths_resolve_against_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, "[[models]]\nname = \"slm\"\npath = \"m/a.gguf\"\n").unwrap();
+    let config = Config::load(&path).unwrap();
+    assert_eq!(
+        config.model("slm").unwrap().path,
+        dir.path().join("m/a.gguf")
+    );
+    assert_eq!(config.kv_cache.block_size, 16);
+    assert_eq!(config.kv_cache.dtype, KvDtype::F16);
+}
+
+#[test]
+fn kv_cache_dtype_parses_and_bad_values_are_named() {
+    let base = "[[models]]\nname = \"a\"\npath = \"x\"\n[kv_cache]\n";
+    let config = load_str(&format!("{base}dtype = \"f32\"\n")).unwrap();
+    assert_eq!(config.kv_cache.dtype, KvDtype::F32);
+    let err = load_str(&format!("{base}dtype = \"f8\"\n")).unwrap_err();
+    assert!(err.to_string().contains("f8"), "{err}");
+}
+
+#[test]
+fn unknown_keys_are_rejected_by_name() {
+    let err = load_str("[[models]]\nname = \"a\"\npath = \"x\"\nquant = \"q4\"\n").unwrap_err();
+    assert!(err.to_string().contains("quant"), "{err}");
+}
+
+#[test]
+fn duplicate_names_and_bad_block_sizes_are_rejected() {
+    let err = load_str(
+        "[[models]]\nname = \"a\"\npath = \"x\"\n[[models]]\nname = \"a\"\npath = \"y\"\n",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("used twice"), "{err}");
+    let err = load_str("[[models]]\nname = \"a\"\npath = \"x\"\n[kv_cache]\nblock_size = 0\n")
+        .unwrap_err();
+    assert!(err.to_string().contains("kv_cache.block_size"), "{err}");
+}
+
+#[test]
+fn routing_sections_parse_and_are_checked() {
+    let two = "[[models]]\nname = \"a\"\npath = \"x\"\n[[models]]\nname = \"b\"\npath = \"y\"\n";
+    let config = load_str(&format!(
+        "{two}[routing]\nalgorithm = \"r-stitch\"\nhigh = 2.0\nlow = 0.5\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        config.routing,
+        RoutingConfig::RStitch {
+            high: 2.0,
+            low: 0.5
+        }
+    );
+    assert_eq!(config.role_index(Role::Llm), Some(1));
+    let err = load_str(&format!(
+        "{two}[routing]\nalgorithm = \"entropy\"\nthreshold = 1.0\nhigh = 3.0\n"
+    ))
+    .unwrap_err();
+    assert!(err.to_string().contains("high"), "{err}");
+    let err = load_str(&format!("{two}[routing]\nalgorithm = \"magic\"\n")).unwrap_err();
+    assert!(err.to_string().contains("magic"), "{err}");
+    let one = "[[models]]\nname = \"a\"\npath = \"x\"\n";
+    let err = load_str(&format!(
+        "{one}[routing]\nalgorithm = \"entropy\"\nthreshold = 1.0\n"
+    ))
+    .unwrap_err();
+    assert!(err.to_string().contains("role"), "{err}");
+    let err = load_str(&format!("{two}[scheduler]\nmode = \"lockstep\"\n")).unwrap_err();
+    assert!(err.to_string().contains("lockstep"), "{err}");
+}
+
+#[test]
+fn learned_ensemble_and_query_level_sections_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    let two = "[[models]]\nname = \"a\"\npath = \"x\"\n[[models]]\nname = \"b\"\npath = \"y\"\n";
+    let r2r = format!("{two}[routing]\nalgorithm = \"r2r\"\nrouter = \"r/h.safetensors\"\n");
+    std::fs::write(&path, r2r).unwrap();
+    let mut config = Config::load(&path).unwrap();
+    assert_eq!(
+        config.routing.router_path().cloned(),
+        Some(dir.path().join("r/h.safetensors"))
+    );
+    let bad = [
+        (
+            "algorithm = \"co-llm\"\nrouter = \"h\"\nthreshold = 1.5",
+            "[0, 1]",
+        ),
+        (
+            "algorithm = \"ensemble\"\nweights = [1.0]",
+            "one positive weight per model",
+        ),
+        ("algorithm = \"ensemble\"\nweights = [1.0, 0.0]", "positive"),
+        (
+            "algorithm = \"query-level\"\nrule = \"fraction\"\nthreshold = 2.0",
+            "share",
+        ),
+        (
+            "algorithm = \"query-level\"\nrule = \"vibes\"\nthreshold = 2.0",
+            "vibes",
+        ),
+        ("algorithm = \"citer\"", "router"),
+    ];
+    for (routing, needle) in bad {
+        let err = load_str(&format!("{two}[routing]\n{routing}\n")).unwrap_err();
+        assert!(err.to_string().contains(needle), "{routing}: {err}");
+    }
+    let ok = load_str(&format!(
+        "{two}[routing]\nalgorithm = \"ensemble\"\nweights = [1.0, 2.0]\n"
+    ));
+    assert!(ok.is_ok());
+}
+
+#[test]
+fn the_shipped_config_is_valid() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.toml");
+    let config = Config::load(&path).unwrap();
+    assert!(config.model("slm").is_some() && config.model("llm").is_some());
+}
+
+#[test]
+fn overlapping_devices_and_missing_backends_are_rejected() {
+    let two = |a: &str, b: &str| {
+        format!(
+            "[[models]]\nname = \"a\"\npath = \"a.gguf\"\ndevice = \"{a}\"\n\
+             [[models]]\nname = \"b\"\npath = \"b.gguf\"\ndevice = \"{b}\"\n"
+        )
+    };
+    assert!(load_str(&two("cpu", "cpu")).is_ok());
+    assert!(load_str(&two("cpu:0", "cpu:1")).is_ok());
+    let err = load_str(&two("cpu", "cpu:1")).unwrap_err().to_string();
+    assert!(err.contains("share cores"), "{err}");
+    let err = load_str(&two("cpu:0-1", "cuda:0")).unwrap_err().to_string();
+    assert!(err.contains("no CUDA backend"), "{err}");
+    let err = load_str(&two("tpu", "cpu")).unwrap_err().to_string();
+    assert!(err.contains("device \"tpu\""), "{err}");
+}
