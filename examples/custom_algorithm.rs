@@ -71,7 +71,10 @@ fn main() -> anyhow::Result<()> {
         warmup: 8,
         threshold: 1.0,
     });
-    let models = load_models(&config, &candle_core::Device::Cpu)?;
+    let models = load_models(
+        &config,
+        tokenrouter::model::ComputeTarget::Cpu(tokenrouter::model::MatmulBackend::from_env()),
+    )?;
     actix::System::new().block_on(async move {
         let runtime = Runtime::start_with_router(&config, models, router)?;
         let request = GenerateRequest::new(Prompt::Text(prompt), SamplingParams::greedy(), 48);

@@ -10,8 +10,9 @@
 use std::time::Instant;
 
 use candle_core::Device;
-use tokenrouter::model::profile::{set_breakdown, take_breakdown, warm_up};
-use tokenrouter::model::{BlockTable, KvCache, KvDtype, LoadedModel, SeqInput};
+use tokenrouter::model::profile::warm_up;
+use tokenrouter::model::timing::{set_breakdown, take_breakdown};
+use tokenrouter::model::{BlockTable, KvDtype, LoadedModel, SeqInput};
 
 const ROUNDS: usize = 5;
 const DECODES: usize = 8;
@@ -36,7 +37,7 @@ fn main() -> anyhow::Result<()> {
     let model = &lm.model;
     warm_up(model)?;
     set_breakdown(true);
-    let mut kv = KvCache::with_capacity(model.config(), 16, 4096, KvDtype::default())?;
+    let mut kv = model.kv_cache_for(16, 4096, KvDtype::default())?;
     println!(
         "{path} (vocab {}, LM head {:.0} MB)",
         model.config().vocab_size,

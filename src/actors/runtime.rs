@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, Addr, Arbiter};
-use candle_core::Device;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::model_actor::{GetStats, ModelActor, Wire};

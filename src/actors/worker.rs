@@ -129,7 +129,11 @@ impl ModelWorker {
     pub fn new(setup: WorkerSetup) -> crate::model::Result<Self> {
         let config = setup.model.model.config();
         let limits = setup.limits;
-        let kv = KvCache::new(config, limits.block_size, limits.num_blocks, setup.kv_dtype)?;
+        let kv =
+            setup
+                .model
+                .model
+                .kv_cache(limits.block_size, limits.num_blocks, setup.kv_dtype)?;
         let max_len = config
             .context_length
             .min(limits.num_blocks * limits.block_size);

@@ -11,15 +11,20 @@ use clap::Args;
 
 use tokenrouter::kernels::large_buf::{self, LargeBuf};
 use tokenrouter::kernels::parallel::for_each_range;
-use tokenrouter::model::profile::{
-    measure, measure_with, set_breakdown, warm_up, Breakdown, Throughput, Workload, PROJECTIONS,
-};
+use tokenrouter::model::profile::{measure, measure_with, warm_up, Throughput, Workload};
+use tokenrouter::model::random::{self, RandomSource};
+use tokenrouter::model::timing::{set_breakdown, Breakdown, PROJECTIONS};
 use tokenrouter::model::{KvDtype, MatmulBackend, Model};
 
 #[derive(Args)]
 pub struct BenchArgs {
     #[command(flatten)]
     model: super::ModelArg,
+    /// Measure a random-weight model of a published shape instead of a file, made in memory:
+    /// `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen3-0.6b`, `qwen3-8b` or `qwen3-32b`, optionally
+    /// with the matrices' format (`qwen3-8b:q4_k`; default Q4_K).
+    #[arg(long, value_name = "SHAPE[:FORMAT]")]
+    random: Option<String>,
     /// Batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     batch: Vec<usize>,
@@ -57,8 +62,27 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.prompt_len == 0 || args.decode_steps == 0 {
         anyhow::bail!("--prompt-len and --decode-steps must be positive");
     }
-    let lm = args.model.load()?;
-    let model = &lm.model;
+    // The model, and its name in the report.
+    let load = |backend: MatmulBackend| -> anyhow::Result<(Model, String)> {
+        Ok(match &args.random {
+            Some(spec) => {
+                let (config, dtype) = random::parse(spec)?;
+                let mut src = RandomSource::new(&config, dtype, args.seed);
+                let model = Model::load_on(config, &mut src, args.model.target(backend)?)?;
+                (model, format!("random {spec}"))
+            }
+            None => {
+                let lm = args.model.load_with(backend)?;
+                let name = lm
+                    .path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned());
+                (lm.model, name.unwrap_or_default())
+            }
+        })
+    };
+    let (model, name) = load(MatmulBackend::from_env())?;
+    let model = &model;
     let needed = args.prompt_len + args.decode_steps;
     if needed > model.config().context_length {
         anyhow::bail!(
@@ -67,12 +91,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
     }
     let baseline = match args.baseline_candle {
-        true => Some(args.model.load_with(MatmulBackend::Candle)?),
+        true => Some(load(MatmulBackend::Candle)?.0),
         false => None,
     };
     warm_up(model)?;
     if let Some(b) = &baseline {
-        warm_up(&b.model)?;
+        warm_up(b)?;
     }
     let config = model.config();
     let bytes = StepBytes {
@@ -83,19 +107,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             as f64,
         prompt_len: args.prompt_len,
     };
-    let probe = ReadProbe::new();
+    let probe = ReadProbe::new(model.device_copy_rate()?);
     let bandwidth = probe.bandwidth(5);
-    let name = lm
-        .path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let kernels = MatmulBackend::from_env().kernels();
+    let device = model.describe_device();
+    let kernels = match probe.device_rate {
+        Some(_) => "cuda",
+        None => MatmulBackend::from_env().kernels(),
+    };
     if !args.json {
         // The middle step's bytes stand for the row's.
         let middle = bytes.at(args.decode_steps / 2);
         println!(
-            "model {name}: {:.1} MB of weights streamed per decode step (+{:.2} MB of K/V at the middle step's context), best read bandwidth {:.2} GB/s, batch-1 roofline {:.1} tok/s, kernels {kernels}",
+            "model {name}: {:.1} MB of weights streamed per decode step (+{:.2} MB of K/V at the middle step's context), best read bandwidth {:.2} GB/s, batch-1 roofline {:.1} tok/s, on {device}",
             bytes.weights / 1e6,
             (middle - bytes.weights) / 1e6,
             bandwidth / 1e9,
@@ -132,11 +155,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     for &batch in &args.batch {
         let row = Row::measure(model, batch, &workload, &probe, &bytes, args.breakdown)?;
         let base = match &baseline {
-            Some(b) => Some(measure(&b.model, batch, &workload)?),
+            Some(b) => Some(measure(b, batch, &workload)?),
             None => None,
         };
         if args.json {
             let mut obj = row.json(&name, batch, kernels);
+            obj["device"] = device.as_str().into();
             if let Some(b) = &base {
                 obj["candle_prefill_tok_s"] = b.prefill_tok_s.into();
                 obj["candle_decode_tok_s"] = b.decode_tok_s.into();
@@ -362,7 +386,11 @@ impl Shares {
 /// A buffer far larger than the caches, for timing plain reads of memory; placed as the
 /// weights are (on huge pages where the OS offers them), so the roofline reads the way the
 /// kernels can.
+/// The memory rate each step is read against: a plain read of host memory paired with each
+/// step, or, for a model on a GPU, its device-to-device copy rate measured once at start (a
+/// GPU's memory rate does not drift with a neighbour's load as a shared host's does).
 struct ReadProbe {
+    device_rate: Option<f64>,
     buf: LargeBuf<u64>,
     /// The chunk the next read starts at: each read continues where the last one stopped, so
     /// none starts on lines a previous read may have left in the caches.
@@ -373,10 +401,15 @@ impl ReadProbe {
     /// Words per work item.
     const CHUNK: usize = 1 << 16;
 
-    fn new() -> Self {
-        // 512 MiB of u64.
-        let words = 64 << 20;
+    fn new(device_rate: Option<f64>) -> Self {
+        // 512 MiB of u64 (one word on a GPU's run, where the host is not read).
+        let words = if device_rate.is_some() {
+            1 << 16
+        } else {
+            64 << 20
+        };
         Self {
+            device_rate,
             buf: LargeBuf::from_fn(words, |i| i as u64),
             next: std::cell::Cell::new(0),
         }
@@ -393,6 +426,9 @@ impl ReadProbe {
     /// pool the kernels use; past the buffer's end the read wraps to its start (the buffer is
     /// far larger than the caches, so a wrapped read still comes from memory).
     fn read_rate(&self, bytes: usize) -> f64 {
+        if let Some(rate) = self.device_rate {
+            return rate;
+        }
         let chunk = Self::CHUNK;
         let chunks = self.buf.len() / chunk;
         let items = (bytes / 8 / chunk).max(1);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use tokenrouter::actors::{load_models, GenerateRequest, Prompt, RequestEvent, Runtime, Summary};
 use tokenrouter::config::{Config, SchedulingMode};
-use tokenrouter::model::{ChatMessage, SamplingParams};
+use tokenrouter::model::{ChatMessage, MatmulBackend, SamplingParams};
 
 #[derive(Args)]
 pub struct BenchRuntimeArgs {
@@ -75,8 +75,8 @@ pub fn run(args: BenchRuntimeArgs) -> anyhow::Result<()> {
         .map(|m| m.parse().map_err(|e| anyhow::anyhow!("--modes: {e}")))
         .collect::<anyhow::Result<_>>()?;
     let config = Config::load(&args.config)?;
-    let device = super::parse_device(&args.device)?;
-    let models = load_models(&config, &device)?;
+    let target = super::parse_device(&args.device, MatmulBackend::from_env())?;
+    let models = load_models(&config, target)?;
     let names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
     let mut results = Vec::new();
     actix::System::new().block_on(async {

@@ -15,7 +15,7 @@ mod tune;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use tokenrouter::model::{LoadedModel, MatmulBackend};
+use tokenrouter::model::{ComputeTarget, LoadedModel, MatmulBackend};
 
 #[derive(Parser)]
 #[command(
@@ -87,20 +87,16 @@ struct ModelArg {
     device: String,
 }
 
-/// Parses `cpu` / `cuda` / `cuda:N`.
-fn parse_device(spec: &str) -> anyhow::Result<candle_core::Device> {
-    let cuda_ordinal = match spec {
-        "cpu" => return Ok(candle_core::Device::Cpu),
-        "cuda" => 0,
+/// Parses `cpu` / `cuda` / `cuda:N` into where the model computes with `backend`'s kernels.
+fn parse_device(spec: &str, backend: MatmulBackend) -> anyhow::Result<ComputeTarget> {
+    Ok(match spec {
+        "cpu" => ComputeTarget::Cpu(backend),
+        "cuda" => ComputeTarget::Cuda(0),
         _ => match spec.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(n)) => n,
+            Some(Ok(n)) => ComputeTarget::Cuda(n),
             _ => anyhow::bail!("--device '{spec}' is not cpu, cuda or cuda:N"),
         },
-    };
-    if !cfg!(feature = "cuda") {
-        anyhow::bail!("--device {spec}: this binary was built without the `cuda` feature (cargo build --features cuda)");
-    }
-    Ok(candle_core::Device::new_cuda(cuda_ordinal)?)
+    })
 }
 
 impl ModelArg {
@@ -133,7 +129,11 @@ impl ModelArg {
     }
 
     fn load_with(&self, backend: MatmulBackend) -> anyhow::Result<LoadedModel> {
-        let device = parse_device(&self.device)?;
-        Ok(LoadedModel::load_with(&self.path()?, &device, backend)?)
+        Ok(LoadedModel::load_on(&self.path()?, self.target(backend)?)?)
+    }
+
+    /// Where `--device` says the model computes, with `backend`'s kernels on a CPU.
+    fn target(&self, backend: MatmulBackend) -> anyhow::Result<ComputeTarget> {
+        parse_device(&self.device, backend)
     }
 }

@@ -142,7 +142,10 @@ pub fn run(args: TrainRouterArgs) -> anyhow::Result<()> {
             args.config.display()
         );
     };
-    let models = load_models(&config, &candle_core::Device::Cpu)?;
+    let models = load_models(
+        &config,
+        tokenrouter::model::ComputeTarget::Cpu(tokenrouter::model::MatmulBackend::from_env()),
+    )?;
     let files = corpus_files(&args.corpus, &args.extension)?;
     let texts = chunks(
         &files,

@@ -6,6 +6,8 @@
 //! tables, and write into caller-owned outputs. Each one has a scalar reference in its tests.
 
 pub mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod large_buf;
 pub mod parallel;
 pub mod qmatmul;

@@ -12,15 +12,16 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::backend::cpu::Cpu;
+#[cfg(feature = "cuda")]
+use super::backend::cuda::Cuda;
+use super::backend::Backend;
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
-use super::layers::{FusedLinear, GateUp, Linear, RmsNorm};
-use super::profile::{projection_of, timed, Part, PROJECTIONS};
+use super::timing::{projection_of, timed, Part, PROJECTIONS};
 use super::weights::{MatmulBackend, Weight, WeightSource};
-use crate::kernels::add_in_place;
-use crate::kernels::attention::AttentionSeq;
-use crate::kernels::rope::{inverse_frequencies, RotaryAngles};
+use crate::kernels::rope::inverse_frequencies;
 
 /// One sequence of a forward batch.
 #[derive(Clone, Copy, Debug)]
@@ -46,49 +47,218 @@ pub struct ForwardOutput {
     pub hidden: Option<Tensor>,
 }
 
-struct Attention {
-    /// q, k and v.
-    qkv: FusedLinear,
-    o: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
-}
-
-struct Mlp {
-    /// gate and up, and the SiLU·gate between them and `down`.
-    gate_up: GateUp,
-    down: Linear,
-}
-
-struct DecoderLayer {
-    attn_norm: RmsNorm,
-    attn: Attention,
-    ffn_norm: RmsNorm,
-    mlp: Mlp,
-}
-
-/// Where the embedding lookup reads its rows.
-enum Embedding {
-    /// The token-embedding matrix as loaded.
-    Weight(Weight),
-    /// The tied LM head's own repacked copy (the loaded matrix is dropped rather than held
-    /// twice: 30 MB for SmolLM2's Q8_0 vocabulary).
-    Head,
-}
-
+/// The model on its device: the decoder over the backend it was loaded for.
 pub struct Model {
+    inner: Inner,
+}
+
+// One per loaded model, made once and never moved on a hot path: sizes may differ.
+#[allow(clippy::large_enum_variant)]
+enum Inner {
+    Cpu(Decoder<Cpu>),
+    #[cfg(feature = "cuda")]
+    Cuda(Decoder<Cuda>),
+}
+
+/// `$body` with `$d` bound to the model's decoder, whatever its backend.
+macro_rules! with_decoder {
+    ($model:expr, $d:ident => $body:expr) => {
+        match &$model.inner {
+            Inner::Cpu($d) => $body,
+            #[cfg(feature = "cuda")]
+            Inner::Cuda($d) => $body,
+        }
+    };
+}
+
+impl Model {
+    pub fn load(config: ModelConfig, src: &mut dyn WeightSource, device: &Device) -> Result<Self> {
+        let backend = src.backend();
+        Self::load_with(config, src, device, backend)
+    }
+
+    /// Loads on the CPU with an explicit choice of quantized-matmul kernels. Weights on
+    /// `device` are read into host memory first.
+    pub fn load_with(
+        config: ModelConfig,
+        src: &mut dyn WeightSource,
+        _device: &Device,
+        backend: MatmulBackend,
+    ) -> Result<Self> {
+        Self::load_on(config, src, super::ComputeTarget::Cpu(backend))
+    }
+
+    /// Loads onto `target`: repacked for the CPU's kernels, or uploaded as stored to a GPU.
+    pub fn load_on(
+        config: ModelConfig,
+        src: &mut dyn WeightSource,
+        target: super::ComputeTarget,
+    ) -> Result<Self> {
+        let inner = match target {
+            super::ComputeTarget::Cpu(matmul) => {
+                Inner::Cpu(Decoder::load(Cpu { matmul }, config, src)?)
+            }
+            #[cfg(feature = "cuda")]
+            super::ComputeTarget::Cuda(n) => {
+                Inner::Cuda(Decoder::load(Cuda::open(n)?, config, src)?)
+            }
+            #[cfg(not(feature = "cuda"))]
+            super::ComputeTarget::Cuda(n) => {
+                return Err(ModelError::Device(format!(
+                    "cuda:{n}: this binary was built without the `cuda` feature \
+                     (cargo build --release --features cuda)"
+                )))
+            }
+        };
+        Ok(Self { inner })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        with_decoder!(self, d => &d.config)
+    }
+
+    /// The device and kernels the model runs on.
+    pub fn describe_device(&self) -> String {
+        with_decoder!(self, d => d.backend.describe())
+    }
+
+    /// For a model on a GPU, the rate its memory copies device to device (bytes read and
+    /// written per second, measured now): the bandwidth its roofline is read against. `None`
+    /// on the CPU.
+    pub fn device_copy_rate(&self) -> Result<Option<f64>> {
+        match &self.inner {
+            Inner::Cpu(_) => Ok(None),
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(d) => d.backend.copy_rate().map(Some),
+        }
+    }
+
+    /// A KV cache of `num_blocks` blocks of `block_size` positions on the model's device.
+    pub fn kv_cache(
+        &self,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: super::KvDtype,
+    ) -> Result<KvCache> {
+        match &self.inner {
+            Inner::Cpu(d) => KvCache::new(&d.config, block_size, num_blocks, dtype),
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(d) => d.backend.kv_cache(&d.config, block_size, num_blocks, dtype),
+        }
+    }
+
+    /// A KV cache on the model's device large enough for `tokens` positions.
+    pub fn kv_cache_for(
+        &self,
+        block_size: usize,
+        tokens: usize,
+        dtype: super::KvDtype,
+    ) -> Result<KvCache> {
+        self.kv_cache(block_size, tokens.div_ceil(block_size.max(1)), dtype)
+    }
+
+    /// Bytes of weights one decode step reads (every layer and the LM head; the embedding
+    /// lookup reads one row and is not counted).
+    pub fn streamed_weight_bytes(&self) -> usize {
+        with_decoder!(self, d => d.streamed_bytes)
+    }
+
+    /// The LM head's part of [`streamed_weight_bytes`](Self::streamed_weight_bytes).
+    pub fn lm_head_bytes(&self) -> usize {
+        with_decoder!(self, d => d.lm_head_bytes)
+    }
+
+    /// Each of the layers' projections' part of
+    /// [`streamed_weight_bytes`](Self::streamed_weight_bytes), over every layer, in the order
+    /// of [`PROJECTIONS`].
+    pub fn projection_bytes(&self) -> [usize; PROJECTIONS.len()] {
+        with_decoder!(self, d => d.projection_bytes)
+    }
+
+    /// Whether the embedding lookup reads the tied LM head's rows (the loaded embedding
+    /// matrix was dropped).
+    pub fn embeds_from_lm_head(&self) -> bool {
+        with_decoder!(self, d => d.backend.embeds_from_head(&d.embed))
+    }
+
+    /// Input embeddings of `tokens`, `[tokens, hidden]` row-major, in host memory.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        with_decoder!(self, d => {
+            d.check_tokens(tokens)?;
+            let rows = d.backend.embed(&d.embed, &d.lm_head, tokens)?;
+            d.backend.to_host(rows)
+        })
+    }
+
+    /// Runs every sequence's new tokens (writing their K/V) and returns the last-position
+    /// logits of the sequences that ask for them.
+    pub fn forward(
+        &self,
+        batch: &[SeqInput],
+        kv: &mut KvCache,
+        want_hidden: bool,
+    ) -> Result<ForwardOutput> {
+        with_decoder!(self, d => d.forward(batch, kv, want_hidden))
+    }
+
+    /// Like [`Model::forward`], but logits and hidden states at every new position of every
+    /// sequence, in order (`[tokens, vocab]`, `[tokens, hidden]`): what training a router
+    /// over a text reads.
+    pub fn forward_all_positions(
+        &self,
+        batch: &[SeqInput],
+        kv: &mut KvCache,
+    ) -> Result<ForwardOutput> {
+        with_decoder!(self, d => d.forward_all_positions(batch, kv))
+    }
+}
+
+/// The architecture, written once over a backend.
+struct Decoder<B: Backend> {
+    backend: B,
     config: ModelConfig,
-    embed: Embedding,
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: Linear,
+    embed: B::Embedding,
+    layers: Vec<DecoderLayer<B>>,
+    norm: B::Norm,
+    lm_head: B::Linear,
     inv_freq: Vec<f32>,
-    device: Device,
     streamed_bytes: usize,
     /// The LM head's share of `streamed_bytes`.
     lm_head_bytes: usize,
     /// The layers' projections' shares of `streamed_bytes`, over every layer.
     projection_bytes: [usize; PROJECTIONS.len()],
+}
+
+struct Attention<B: Backend> {
+    /// q, k and v.
+    qkv: B::Linear,
+    o: B::Linear,
+    q_norm: Option<B::Norm>,
+    k_norm: Option<B::Norm>,
+}
+
+struct Mlp<B: Backend> {
+    /// gate and up, and the SiLU·gate between them and `down`.
+    gate_up: B::GateUp,
+    down: B::Linear,
+}
+
+struct DecoderLayer<B: Backend> {
+    attn_norm: B::Norm,
+    attn: Attention<B>,
+    ffn_norm: B::Norm,
+    mlp: Mlp<B>,
+}
+
+/// What every layer of one forward pass works with: the backend, the KV cache, the step's
+/// uploaded positions and tables, and the sizes of the batch.
+struct StepCtx<'s, 'a, B: Backend> {
+    backend: &'s B,
+    config: &'s ModelConfig,
+    kv: &'s mut B::Kv,
+    step: B::Step<'a>,
+    /// New tokens in the batch.
+    tokens: usize,
 }
 
 /// Counts the bytes of every matrix a decode step streams from memory.
@@ -98,7 +268,6 @@ struct CountingSource<'a> {
     /// The part of `bytes` in each of the layers' projections, in the order of
     /// [`PROJECTIONS`].
     projections: [usize; PROJECTIONS.len()],
-    backend: MatmulBackend,
 }
 
 impl CountingSource<'_> {
@@ -124,22 +293,43 @@ impl WeightSource for CountingSource<'_> {
     fn contains(&self, name: &str) -> bool {
         self.inner.contains(name)
     }
-    fn backend(&self) -> MatmulBackend {
-        self.backend
-    }
 }
 
-impl DecoderLayer {
-    fn load(src: &mut dyn WeightSource, c: &ModelConfig, i: usize) -> Result<Self> {
+/// Reads weights for the backend to make ready: each matrix, vector and norm by name.
+struct Loader<'s, 'c, B: Backend> {
+    backend: &'s B,
+    src: &'s mut CountingSource<'c>,
+    config: &'s ModelConfig,
+}
+
+impl<B: Backend> Loader<'_, '_, B> {
+    fn norm(&mut self, name: &str, len: usize) -> Result<B::Norm> {
+        let w = self.src.vector(name, len)?;
+        self.backend.norm(&w, self.config.rms_norm_eps)
+    }
+
+    /// Projections `parts` (name and rows) over `inp` inputs, with biases when `bias`.
+    fn linear(&mut self, parts: &[(&str, usize)], inp: usize, bias: bool) -> Result<B::Linear> {
+        let mut weights = Vec::with_capacity(parts.len());
+        let mut biases = Vec::with_capacity(parts.len());
+        for &(name, rows) in parts {
+            weights.push(self.src.matrix(&format!("{name}.weight"), rows, inp)?);
+            if bias {
+                biases.push(self.src.vector(&format!("{name}.bias"), rows)?);
+            }
+        }
+        let widths: Vec<usize> = parts.iter().map(|p| p.1).collect();
+        self.backend.linear(&weights, &biases, &widths)
+    }
+
+    fn layer(&mut self, i: usize) -> Result<DecoderLayer<B>> {
+        let c = self.config;
         let p = format!("blk.{i}");
         let h = c.hidden_size;
-        let eps = c.rms_norm_eps;
-        let head_norm = |src: &mut dyn WeightSource, name: &str| {
-            RmsNorm::load(src, &format!("{p}.{name}.weight"), c.head_dim, eps)
-        };
+        let head_norm =
+            |l: &mut Self, name: &str| l.norm(&format!("{p}.{name}.weight"), c.head_dim);
         let attn = Attention {
-            qkv: FusedLinear::load(
-                src,
+            qkv: self.linear(
                 &[
                     (&format!("{p}.attn_q"), c.q_dim()),
                     (&format!("{p}.attn_k"), c.kv_dim()),
@@ -148,167 +338,84 @@ impl DecoderLayer {
                 h,
                 c.qkv_bias,
             )?,
-            o: Linear::load(src, &format!("{p}.attn_output"), h, c.q_dim(), false)?,
+            o: self.linear(&[(&format!("{p}.attn_output"), h)], c.q_dim(), false)?,
             q_norm: c
                 .qk_norm
-                .then(|| head_norm(src, "attn_q_norm"))
+                .then(|| head_norm(self, "attn_q_norm"))
                 .transpose()?,
             k_norm: c
                 .qk_norm
-                .then(|| head_norm(src, "attn_k_norm"))
+                .then(|| head_norm(self, "attn_k_norm"))
                 .transpose()?,
         };
         let ffn = c.intermediate_size;
-        Ok(Self {
-            attn_norm: RmsNorm::load(src, &format!("{p}.attn_norm.weight"), h, eps)?,
+        let attn_norm = self.norm(&format!("{p}.attn_norm.weight"), h)?;
+        let ffn_norm = self.norm(&format!("{p}.ffn_norm.weight"), h)?;
+        let gate = self.src.matrix(&format!("{p}.ffn_gate.weight"), ffn, h)?;
+        let up = self.src.matrix(&format!("{p}.ffn_up.weight"), ffn, h)?;
+        Ok(DecoderLayer {
+            attn_norm,
             attn,
-            ffn_norm: RmsNorm::load(src, &format!("{p}.ffn_norm.weight"), h, eps)?,
+            ffn_norm,
             mlp: Mlp {
-                gate_up: GateUp::load(
-                    src,
-                    &format!("{p}.ffn_gate"),
-                    &format!("{p}.ffn_up"),
-                    ffn,
-                    h,
-                )?,
-                down: Linear::load(src, &format!("{p}.ffn_down"), h, ffn, false)?,
+                gate_up: self.backend.gate_up(gate, up, ffn, h)?,
+                down: self.linear(&[(&format!("{p}.ffn_down"), h)], ffn, false)?,
             },
         })
     }
 }
 
-impl Model {
-    pub fn load(config: ModelConfig, src: &mut dyn WeightSource, device: &Device) -> Result<Self> {
-        let backend = src.backend();
-        Self::load_with(config, src, device, backend)
-    }
-
-    /// Loads with an explicit choice of quantized-matmul kernels.
-    pub fn load_with(
-        config: ModelConfig,
-        src: &mut dyn WeightSource,
-        device: &Device,
-        backend: MatmulBackend,
-    ) -> Result<Self> {
+impl<B: Backend> Decoder<B> {
+    fn load(backend: B, config: ModelConfig, src: &mut dyn WeightSource) -> Result<Self> {
         config.validate()?;
         let embed = src.matrix("token_embd.weight", config.vocab_size, config.hidden_size)?;
         let mut counting = CountingSource {
             inner: src,
             bytes: 0,
             projections: [0; PROJECTIONS.len()],
-            backend,
+        };
+        let mut loader = Loader {
+            backend: &backend,
+            src: &mut counting,
+            config: &config,
         };
         let layers = (0..config.num_layers)
-            .map(|i| DecoderLayer::load(&mut counting, &config, i))
+            .map(|i| loader.layer(i))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(
-            &mut counting,
-            "output_norm.weight",
-            config.hidden_size,
-            config.rms_norm_eps,
-        )?;
+        let norm = loader.norm("output_norm.weight", config.hidden_size)?;
         let tied = config.tied_embeddings || !counting.contains("output.weight");
         let before_head = counting.bytes;
         let lm_head = if tied {
             counting.bytes += embed.storage_bytes();
-            Linear::new(embed.matmul(backend)?, None)?
+            backend.linear(std::slice::from_ref(&embed), &[], &[config.vocab_size])?
         } else {
-            Linear::load(
-                &mut counting,
-                "output",
-                config.vocab_size,
-                config.hidden_size,
-                false,
-            )?
+            let mut loader = Loader {
+                backend: &backend,
+                src: &mut counting,
+                config: &config,
+            };
+            loader.linear(&[("output", config.vocab_size)], config.hidden_size, false)?
         };
         let streamed_bytes = counting.bytes;
         let lm_head_bytes = streamed_bytes - before_head;
-        // A tied head with rows of its own serves the lookup too; the loaded copy is dropped.
-        let head_has_rows = lm_head
-            .own_kernel()
-            .is_some_and(|k| k.dequantize_row(0, &mut vec![0f32; k.in_features()]));
-        let embed = if tied && head_has_rows {
-            Embedding::Head
-        } else {
-            Embedding::Weight(embed)
-        };
+        let projection_bytes = counting.projections;
+        let embed = backend.embedding(embed, tied.then_some(&lm_head))?;
         let inv_freq = inverse_frequencies(config.head_dim, config.rope_theta);
         Ok(Self {
+            backend,
             config,
             embed,
             layers,
             norm,
             lm_head,
             inv_freq,
-            device: device.clone(),
             streamed_bytes,
             lm_head_bytes,
-            projection_bytes: counting.projections,
+            projection_bytes,
         })
     }
 
-    pub fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
-    /// Bytes of weights one decode step reads (every layer and the LM head; the embedding
-    /// lookup reads one row and is not counted).
-    pub fn streamed_weight_bytes(&self) -> usize {
-        self.streamed_bytes
-    }
-
-    /// The LM head's part of [`streamed_weight_bytes`](Self::streamed_weight_bytes).
-    pub fn lm_head_bytes(&self) -> usize {
-        self.lm_head_bytes
-    }
-
-    /// Each of the layers' projections' part of
-    /// [`streamed_weight_bytes`](Self::streamed_weight_bytes), over every layer, in the order
-    /// of [`PROJECTIONS`].
-    pub fn projection_bytes(&self) -> [usize; PROJECTIONS.len()] {
-        self.projection_bytes
-    }
-
-    /// Whether the embedding lookup reads the tied LM head's rows (the loaded embedding
-    /// matrix was dropped).
-    pub fn embeds_from_lm_head(&self) -> bool {
-        matches!(self.embed, Embedding::Head)
-    }
-
-    /// Input embeddings of `tokens`, `[tokens, hidden]` row-major.
-    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Ok(Vec::new());
-        }
-        let head = match &self.embed {
-            Embedding::Weight(w) => {
-                let ids = Tensor::from_slice(tokens, tokens.len(), &self.device)?;
-                let rows = w.rows(&ids)?.to_dtype(DType::F32)?;
-                return Ok(rows.flatten_all()?.to_vec1::<f32>()?);
-            }
-            Embedding::Head => self.lm_head.own_kernel().expect("checked at load"),
-        };
-        let hidden = self.config.hidden_size;
-        let mut out = vec![0f32; tokens.len() * hidden];
-        for (&id, row) in tokens.iter().zip(out.chunks_exact_mut(hidden)) {
-            if id as usize >= head.out_features() {
-                return Err(ModelError::TokenOutOfRange {
-                    id,
-                    vocab: head.out_features(),
-                });
-            }
-            head.dequantize_row(id as usize, row);
-        }
-        Ok(out)
-    }
-
-    /// Runs every sequence's new tokens (writing their K/V) and returns the last-position
-    /// logits of the sequences that ask for them.
-    pub fn forward(
+    fn forward(
         &self,
         batch: &[SeqInput],
         kv: &mut KvCache,
@@ -321,41 +428,42 @@ impl Model {
         if !head {
             return self.empty_output(want_hidden);
         }
-        let h = self.config.hidden_size;
-        let last: Vec<f32> = batch
+        let rows: Vec<usize> = batch
             .iter()
             .zip(&last_rows)
             .filter(|(s, _)| s.logits)
-            .flat_map(|(_, &r)| &x[r * h..(r + 1) * h])
-            .copied()
+            .map(|(_, &r)| r)
             .collect();
-        self.head(last, want_hidden)
+        let last = self
+            .backend
+            .select_rows(&x, &rows, self.config.hidden_size)?;
+        self.head(last, rows.len(), want_hidden)
     }
 
-    /// Like [`Model::forward`], but logits and hidden states at every new position of every
-    /// sequence, in order (`[tokens, vocab]`, `[tokens, hidden]`): what training a router
-    /// over a text reads.
-    pub fn forward_all_positions(
-        &self,
-        batch: &[SeqInput],
-        kv: &mut KvCache,
-    ) -> Result<ForwardOutput> {
+    fn forward_all_positions(&self, batch: &[SeqInput], kv: &mut KvCache) -> Result<ForwardOutput> {
+        let tokens = batch.iter().map(|s| s.tokens.len()).sum();
         let Some((x, _)) = self.trunk(batch, kv, true)? else {
             return self.empty_output(true);
         };
-        self.head(x, true)
+        self.head(x, tokens, true)
     }
 
-    /// The final norm and the LM head over residual rows `x` (`[rows, hidden]`).
-    fn head(&self, mut x: Vec<f32>, want_hidden: bool) -> Result<ForwardOutput> {
-        let c = &self.config;
-        let rows = x.len() / c.hidden_size;
-        timed(Part::AddNorm, || self.norm.forward_in_place(&mut x));
-        let logits = timed(Part::LmHead, || self.lm_head.forward_rows(&x, rows))?;
+    /// The final norm and the LM head over `rows` residual rows `x`.
+    fn head(&self, mut x: B::Rows, rows: usize, want_hidden: bool) -> Result<ForwardOutput> {
+        let (b, c) = (&self.backend, &self.config);
+        timed(Part::AddNorm, || b.norm_in_place(&self.norm, &mut x))?;
+        let logits = timed(Part::LmHead, || b.project_one(&self.lm_head, &x, rows))?;
+        let host = Device::Cpu;
         Ok(ForwardOutput {
-            logits: Tensor::from_vec(logits, (rows, c.vocab_size), &self.device)?,
+            logits: Tensor::from_vec(b.to_host(logits)?, (rows, c.vocab_size), &host)?,
             hidden: want_hidden
-                .then(|| Tensor::from_vec(x, (rows, c.hidden_size), &self.device))
+                .then(|| -> Result<Tensor> {
+                    Ok(Tensor::from_vec(
+                        b.to_host(x)?,
+                        (rows, c.hidden_size),
+                        &host,
+                    )?)
+                })
                 .transpose()?,
         })
     }
@@ -363,121 +471,64 @@ impl Model {
     fn empty_output(&self, want_hidden: bool) -> Result<ForwardOutput> {
         let c = &self.config;
         Ok(ForwardOutput {
-            logits: Tensor::zeros((0, c.vocab_size), DType::F32, &self.device)?,
+            logits: Tensor::zeros((0, c.vocab_size), DType::F32, &Device::Cpu)?,
             hidden: want_hidden
-                .then(|| Tensor::zeros((0, c.hidden_size), DType::F32, &self.device))
+                .then(|| Tensor::zeros((0, c.hidden_size), DType::F32, &Device::Cpu))
                 .transpose()?,
         })
     }
 
     /// The decoder layers over every new token of the batch: the residual stream before the
-    /// final norm (`[tokens, hidden]`, row-major), and each sequence's last row in it (`None`
-    /// when the batch is empty). Everything between the matmuls works on plain rows in place.
-    /// `head`: the LM head runs next (its weights are prefetched during the last layer).
+    /// final norm (`[tokens, hidden]`), and each sequence's last row in it (`None` when the
+    /// batch is empty). `head`: the LM head runs next (its weights are prefetched during the
+    /// last layer).
     fn trunk(
         &self,
         batch: &[SeqInput],
         kv: &mut KvCache,
         head: bool,
-    ) -> Result<Option<(Vec<f32>, Vec<usize>)>> {
-        let c = &self.config;
+    ) -> Result<Option<(B::Rows, Vec<usize>)>> {
+        let (b, c) = (&self.backend, &self.config);
         self.validate_batch(batch, kv)?;
         if batch.is_empty() {
             return Ok(None);
         }
-        let (ids, positions, last_rows) = flatten(batch);
-        let attn_seqs: Vec<AttentionSeq> = batch
-            .iter()
-            .map(|s| AttentionSeq {
-                blocks: s.blocks,
-                start_pos: s.start_pos,
-                num_tokens: s.tokens.len(),
-            })
-            .collect();
-        let angles = RotaryAngles::new(&positions, &self.inv_freq, c.rope_style);
+        let (ids, last_rows) = flatten(batch);
         let t = ids.len();
-        let mut x = self.embed(&ids)?;
-        let mut h = vec![0f32; x.len()];
-        let ffn = c.intermediate_size;
-        let mut gated = vec![0f32; t * ffn];
+        let mut ctx = StepCtx {
+            backend: b,
+            config: c,
+            step: b.begin_step(c, batch, kv.block_size(), &self.inv_freq, c.rope_style)?,
+            kv: b.kv(kv)?,
+            tokens: t,
+        };
+        let mut x = b.embed(&self.embed, &self.lm_head, &ids)?;
+        let mut h = b.zeros(t, c.hidden_size)?;
+        let mut gated = b.zeros(t, c.intermediate_size)?;
         // The previous layer's FFN output, added to the trunk in the pass of the next norm (or
         // after the last layer, below).
-        let mut ffn_out: Option<Vec<f32>> = None;
-        // Before each matmul, the one after it is named, so the pool's idle threads stream
-        // its weights in while this thread works alone between the two.
+        let mut ffn_out: Option<B::Rows> = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            timed(Part::AddNorm, || {
-                layer
-                    .attn_norm
-                    .add_forward(&mut x, ffn_out.take().as_deref(), &mut h)
-            });
-            layer.attn.o.prefetch_ahead();
-            let a = self.attention(&layer.attn, &h, i, &angles, &attn_seqs, kv)?;
-            layer.mlp.gate_up.prefetch_ahead();
-            let a = timed(Part::AttnOut, || layer.attn.o.forward_rows(&a, t))?;
-            timed(Part::AddNorm, || {
-                layer.ffn_norm.add_forward(&mut x, Some(&a), &mut h)
-            });
-            layer.mlp.down.prefetch_ahead();
-            timed(Part::GateUp, || {
-                layer.mlp.gate_up.forward_into(&h, t, &mut gated)
-            })?;
-            match self.layers.get(i + 1) {
-                Some(next) => next.attn.qkv.prefetch_ahead(),
-                None if head => self.lm_head.prefetch_ahead(),
-                None => {}
-            }
-            ffn_out = Some(timed(Part::Down, || {
-                layer.mlp.down.forward_rows(&gated, t)
-            })?);
+            let next = match self.layers.get(i + 1) {
+                Some(next) => Some(&next.attn.qkv),
+                None if head => Some(&self.lm_head),
+                None => None,
+            };
+            let pending = ffn_out.take();
+            ffn_out = Some(layer.forward(i, &mut x, pending, &mut h, &mut gated, next, &mut ctx)?);
         }
         if let Some(y) = ffn_out {
-            timed(Part::AddNorm, || add_in_place(&mut x, &y));
+            timed(Part::AddNorm, || b.add(&mut x, &y))?;
         }
         Ok(Some((x, last_rows)))
     }
 
-    /// Self-attention of normalised rows `x` (`[tokens, hidden]`): the attention output,
-    /// `[tokens, q_dim]`, before the output projection.
-    fn attention(
-        &self,
-        attn: &Attention,
-        x: &[f32],
-        layer: usize,
-        angles: &RotaryAngles,
-        seqs: &[AttentionSeq],
-        kv: &mut KvCache,
-    ) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let t = x.len() / c.hidden_size;
-        // The new rows' cache lines come in while the projection runs.
-        kv.prefetch_slots(layer, seqs);
-        let qkv = timed(Part::Qkv, || attn.qkv.forward_rows(x, t))?;
-        let part = |i: usize, norm: &Option<RmsNorm>| {
-            let mut y = Vec::with_capacity(t * qkv.row(i, 0).len());
-            for r in 0..t {
-                y.extend_from_slice(qkv.row(i, r));
-            }
-            if let Some(norm) = norm {
-                norm.forward_in_place(&mut y);
-            }
-            y
-        };
-        let q = timed(Part::RotaryKvWrite, || {
-            let mut q = part(0, &attn.q_norm);
-            let mut k = part(1, &attn.k_norm);
-            let v = part(2, &None);
-            angles.apply(&mut q, c.num_heads);
-            angles.apply(&mut k, c.num_kv_heads);
-            kv.write(layer, seqs, &k, &v);
-            q
-        });
-        let mut out = vec![0f32; q.len()];
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        timed(Part::Attention, || {
-            kv.attention(layer, &q, c.num_heads, seqs, scale, &mut out)
-        });
-        Ok(out)
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        match tokens.iter().find(|&&id| id as usize >= vocab) {
+            Some(&id) => Err(ModelError::TokenOutOfRange { id, vocab }),
+            None => Ok(()),
+        }
     }
 
     fn validate_batch(&self, batch: &[SeqInput], kv: &KvCache) -> Result<()> {
@@ -512,15 +563,79 @@ impl Model {
     }
 }
 
-/// The batch's new tokens in order, their positions, and each sequence's last row among them.
-fn flatten(batch: &[SeqInput]) -> (Vec<u32>, Vec<u32>, Vec<usize>) {
+impl<B: Backend> DecoderLayer<B> {
+    /// One layer over the trunk `x`: `pending` (the previous layer's FFN output) is added in
+    /// the pass of the first norm, and this layer's FFN output is returned for the next one.
+    /// `h` and `gated` are scratch of the trunk's and the FFN's width. Before each matmul the
+    /// one after it is named (`next`: the first matmul after this layer), so a CPU's idle
+    /// threads stream its weights in while the caller works alone between the two.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        layer: usize,
+        x: &mut B::Rows,
+        pending: Option<B::Rows>,
+        h: &mut B::Rows,
+        gated: &mut B::Rows,
+        next: Option<&B::Linear>,
+        ctx: &mut StepCtx<'_, '_, B>,
+    ) -> Result<B::Rows> {
+        let (b, t) = (ctx.backend, ctx.tokens);
+        timed(Part::AddNorm, || {
+            b.add_norm(&self.attn_norm, x, pending.as_ref(), h)
+        })?;
+        b.prefetch(&self.attn.o);
+        let a = self.attn.forward(layer, h, ctx)?;
+        b.prefetch_gate_up(&self.mlp.gate_up);
+        let a = timed(Part::AttnOut, || b.project_one(&self.attn.o, &a, t))?;
+        timed(Part::AddNorm, || b.add_norm(&self.ffn_norm, x, Some(&a), h))?;
+        b.prefetch(&self.mlp.down);
+        timed(Part::GateUp, || {
+            b.gate_up_forward(&self.mlp.gate_up, h, t, gated)
+        })?;
+        if let Some(next) = next {
+            b.prefetch(next);
+        }
+        timed(Part::Down, || b.project_one(&self.mlp.down, gated, t))
+    }
+}
+
+impl<B: Backend> Attention<B> {
+    /// Self-attention of normalised rows `x` (`[tokens, hidden]`): the attention output,
+    /// `[tokens, q_dim]`, before the output projection.
+    fn forward(&self, layer: usize, x: &B::Rows, ctx: &mut StepCtx<'_, '_, B>) -> Result<B::Rows> {
+        let (b, c) = (ctx.backend, ctx.config);
+        // The new rows' cache lines come in while the projection runs.
+        b.prefetch_kv(ctx.kv, layer, &ctx.step);
+        let qkv = timed(Part::Qkv, || b.project(&self.qkv, x, ctx.tokens))?;
+        let [mut q, mut k, v]: [B::Rows; 3] = qkv
+            .try_into()
+            .map_err(|_| ModelError::InvalidBatch("q/k/v must be three projections".into()))?;
+        timed(Part::RotaryKvWrite, || {
+            if let Some(norm) = &self.q_norm {
+                b.norm_in_place(norm, &mut q)?;
+            }
+            if let Some(norm) = &self.k_norm {
+                b.norm_in_place(norm, &mut k)?;
+            }
+            b.rotary(&ctx.step, &mut q, c.num_heads)?;
+            b.rotary(&ctx.step, &mut k, c.num_kv_heads)?;
+            b.kv_write(ctx.kv, layer, &ctx.step, &k, &v)
+        })?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        timed(Part::Attention, || {
+            b.attention(ctx.kv, layer, &ctx.step, &q, c.num_heads, scale)
+        })
+    }
+}
+
+/// The batch's new tokens in order, and each sequence's last row among them.
+fn flatten(batch: &[SeqInput]) -> (Vec<u32>, Vec<usize>) {
     let mut ids = Vec::new();
-    let mut positions = Vec::new();
     let mut last_rows = Vec::with_capacity(batch.len());
     for seq in batch {
         ids.extend_from_slice(seq.tokens);
-        positions.extend((seq.start_pos..seq.start_pos + seq.tokens.len()).map(|p| p as u32));
         last_rows.push(ids.len() - 1);
     }
-    (ids, positions, last_rows)
+    (ids, last_rows)
 }

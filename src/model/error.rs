@@ -41,6 +41,8 @@ pub enum ModelError {
     OutOfBlocks { needed: usize, free: usize },
     #[error("invalid forward batch: {0}")]
     InvalidBatch(String),
+    #[error("{0}")]
+    Device(String),
     #[error("invalid sampling parameter {field}: {reason}")]
     InvalidSampling { field: &'static str, reason: String },
     #[error(transparent)]

@@ -64,13 +64,27 @@ enum Layers {
     F32(Vec<LayerStore<f32>>),
 }
 
+/// A pool of blocks: which are free, and where their K/V live.
 pub struct KvCache {
     block_size: usize,
     num_blocks: usize,
+    store: KvStore,
+    free: Vec<u32>,
+}
+
+/// Where a cache's K/V live: the device of the model that reads them.
+pub enum KvStore {
+    Host(HostKv),
+    #[cfg(feature = "cuda")]
+    Cuda(super::backend::cuda::DeviceKv),
+}
+
+/// Every layer's K/V in host memory.
+pub struct HostKv {
+    block_size: usize,
     num_kv_heads: usize,
     head_dim: usize,
     layers: Layers,
-    free: Vec<u32>,
 }
 
 impl KvCache {
@@ -104,14 +118,31 @@ impl KvCache {
             KvDtype::F16 => Layers::F16(zeroed(config.num_layers, per_layer)),
             KvDtype::F32 => Layers::F32(zeroed(config.num_layers, per_layer)),
         };
-        Ok(Self {
+        let store = KvStore::Host(HostKv {
             block_size,
-            num_blocks,
             num_kv_heads: config.num_kv_heads,
             head_dim: config.head_dim,
             layers,
+        });
+        Ok(Self::from_store(block_size, num_blocks, store))
+    }
+
+    /// A pool of `num_blocks` blocks of `block_size` positions over storage made for them.
+    pub fn from_store(block_size: usize, num_blocks: usize, store: KvStore) -> Self {
+        Self {
+            block_size,
+            num_blocks,
+            store,
             free: (0..num_blocks as u32).rev().collect(),
-        })
+        }
+    }
+
+    pub fn store(&self) -> &KvStore {
+        &self.store
+    }
+
+    pub fn store_mut(&mut self) -> &mut KvStore {
+        &mut self.store
     }
 
     /// A pool large enough for `tokens` positions.
@@ -135,9 +166,10 @@ impl KvCache {
     }
 
     pub fn dtype(&self) -> KvDtype {
-        match self.layers {
-            Layers::F16(_) => KvDtype::F16,
-            Layers::F32(_) => KvDtype::F32,
+        match &self.store {
+            KvStore::Host(host) => host.dtype(),
+            #[cfg(feature = "cuda")]
+            KvStore::Cuda(_) => KvDtype::F16,
         }
     }
 
@@ -177,6 +209,15 @@ impl KvCache {
     /// Returns every block of `table` to the pool and empties it.
     pub fn release(&mut self, table: &mut BlockTable) {
         self.free.extend(table.blocks.drain(..).rev());
+    }
+}
+
+impl HostKv {
+    pub fn dtype(&self) -> KvDtype {
+        match self.layers {
+            Layers::F16(_) => KvDtype::F16,
+            Layers::F32(_) => KvDtype::F32,
+        }
     }
 
     /// Read view of one layer in its stored type.
@@ -360,7 +401,7 @@ mod tests {
     }
 
     /// K and V of `layer` at `offset..offset + len`, as `f32`.
-    fn stored(cache: &KvCache, layer: usize, offset: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
+    fn stored(cache: &HostKv, layer: usize, offset: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
         fn read<T: KvElem>(store: &LayerStore<T>, at: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
             let f32s = |x: &[T]| x[at..at + len].iter().map(|e| e.to_f32()).collect();
             (f32s(&store.k), f32s(&store.v))
@@ -387,14 +428,18 @@ mod tests {
                 num_tokens: 3,
             }];
             // The decoder requests the slots' lines first; a hint that changes nothing.
-            cache.prefetch_slots(1, &seqs);
-            cache.write(1, &seqs, &k, &v);
+            #[allow(irrefutable_let_patterns)]
+            let KvStore::Host(host) = cache.store_mut() else {
+                unreachable!("a cache made by KvCache::new is in host memory")
+            };
+            host.prefetch_slots(1, &seqs);
+            host.write(1, &seqs, &k, &v);
             // Position 2 is the first slot of the second block (block size 2, one KV head).
             let third = (table.blocks()[1] as usize * 2) * 4;
-            let (k3, v3) = stored(&cache, 1, third, 4);
+            let (k3, v3) = stored(host, 1, third, 4);
             assert_eq!(k3, [8.5, 9.5, 10.5, 11.5], "{dtype:?}");
             assert_eq!(v3, [-8.0, -9.0, -10.0, -11.0], "{dtype:?}");
-            let (k0, v0) = stored(&cache, 0, 0, 4 * 2 * 4);
+            let (k0, v0) = stored(host, 0, 0, 4 * 2 * 4);
             assert!(k0.iter().chain(&v0).all(|&x| x == 0.0), "{dtype:?}");
         }
     }

@@ -2,17 +2,20 @@
 //! Llama-family decoder with a batched forward over a paged KV cache, tokenizer, chat template
 //! and sampler. Knows nothing of actors, scheduling policy or HTTP.
 
+pub mod backend;
 pub mod chat_template;
 pub mod config;
 pub mod decoder;
 pub mod error;
 pub mod gguf;
 pub mod kv_cache;
-mod layers;
+
 pub mod profile;
+pub mod random;
 pub mod runner;
 pub mod safetensors;
 pub mod sampler;
+pub mod timing;
 pub mod tiny;
 pub mod tokenizer;
 mod weights;
@@ -31,6 +34,15 @@ pub use sampler::{Sampler, SamplingParams};
 pub use tokenizer::{IncrementalDecoder, SpecialTokens};
 pub use weights::{gated_kernel, packed_kernel, MatmulBackend, OwnKernel, Weight, WeightSource};
 
+/// Where a model computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ComputeTarget {
+    /// The CPU, with these quantized-matmul kernels.
+    Cpu(MatmulBackend),
+    /// GPU `N` (a build with the `cuda` feature).
+    Cuda(usize),
+}
+
 /// Everything one checkpoint provides: weights, tokenizer, special ids and chat template.
 pub struct LoadedModel {
     pub model: Model,
@@ -48,18 +60,28 @@ impl LoadedModel {
 
     /// Loads with an explicit choice of quantized-matmul kernels.
     pub fn load_with(path: &Path, device: &Device, backend: MatmulBackend) -> Result<Self> {
+        Self::load_from(path, device, ComputeTarget::Cpu(backend))
+    }
+
+    /// Loads onto `target`: the file is read into host memory, then its weights are made
+    /// ready for the target's kernels (repacked for the CPU's, uploaded as stored to a GPU).
+    pub fn load_on(path: &Path, target: ComputeTarget) -> Result<Self> {
+        Self::load_from(path, &Device::Cpu, target)
+    }
+
+    fn load_from(path: &Path, device: &Device, target: ComputeTarget) -> Result<Self> {
         let meta = std::fs::metadata(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
             source,
         })?;
         if meta.is_dir() {
-            Self::load_hf_dir(path, device, backend)
+            Self::load_hf_dir(path, device, target)
         } else {
-            Self::load_gguf(path, device, backend)
+            Self::load_gguf(path, device, target)
         }
     }
 
-    fn load_gguf(path: &Path, device: &Device, backend: MatmulBackend) -> Result<Self> {
+    fn load_gguf(path: &Path, device: &Device, target: ComputeTarget) -> Result<Self> {
         let mut file = gguf::GgufFile::open(path, device)?;
         let config = file.config()?;
         let md = file.metadata();
@@ -82,7 +104,7 @@ impl LoadedModel {
             )?),
             None => None,
         };
-        let model = Model::load_with(config, &mut file, device, backend)?;
+        let model = Model::load_on(config, &mut file, target)?;
         Ok(Self {
             model,
             tokenizer,
@@ -92,7 +114,7 @@ impl LoadedModel {
         })
     }
 
-    fn load_hf_dir(dir: &Path, device: &Device, backend: MatmulBackend) -> Result<Self> {
+    fn load_hf_dir(dir: &Path, device: &Device, target: ComputeTarget) -> Result<Self> {
         let mut st = safetensors::SafetensorsDir::open(dir, device)?;
         let config = st.config()?;
         let tok_path = dir.join("tokenizer.json");
@@ -119,7 +141,7 @@ impl LoadedModel {
             )?),
             None => None,
         };
-        let model = Model::load_with(config, &mut st, device, backend)?;
+        let model = Model::load_on(config, &mut st, target)?;
         Ok(Self {
             model,
             tokenizer,

@@ -81,7 +81,7 @@ pub fn step(
 /// Logits and hidden states at every position of `tokens`, from a fresh cache (the whole
 /// text in one pass): what position `t` predicts for position `t + 1`.
 pub fn score_text(model: &Model, tokens: &[u32]) -> Result<ForwardOutput> {
-    let mut kv = KvCache::with_capacity(model.config(), 16, tokens.len(), KvDtype::default())?;
+    let mut kv = model.kv_cache_for(16, tokens.len(), KvDtype::default())?;
     let mut seq = Sequence::new(tokens.to_vec());
     kv.reserve(&mut seq.table, tokens.len())?;
     let input = SeqInput {

@@ -292,7 +292,7 @@ impl Matmul {
     /// our kernels multiply the slice in place; candle's get it as a tensor on the weight's
     /// device.
     pub fn forward_rows(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-        super::profile::timed(super::profile::Part::Matmul, || self.multiply(x, rows))
+        super::timing::timed(super::timing::Part::Matmul, || self.multiply(x, rows))
     }
 
     fn multiply(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {

@@ -9,19 +9,20 @@ use crate::kernels::parallel::{
     available_cores, install, pin_current_thread, process_cores, with_pool, ComputePool,
 };
 use crate::model::profile::{step_latencies, warm_up};
+use crate::model::ComputeTarget;
 use crate::scheduler::DeviceQueue;
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, MAX_TUNED_CONCURRENCY};
 
-/// Loads every configured model, naming the model in any error.
+/// Loads every configured model onto `target`, naming the model in any error.
 pub fn load_models(
     config: &Config,
-    device: &Device,
+    target: ComputeTarget,
 ) -> Result<Vec<Arc<LoadedModel>>, RuntimeError> {
     config
         .models
         .iter()
         .map(|m| {
-            LoadedModel::load(&m.path, device)
+            LoadedModel::load_on(&m.path, target)
                 .map(Arc::new)
                 .map_err(|source| RuntimeError::Model {
                     name: m.name.clone(),

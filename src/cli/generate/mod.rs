@@ -6,9 +6,7 @@ use std::io::Write;
 
 use clap::Args;
 use tokenrouter::model::runner::{generate, GenerationRequest};
-use tokenrouter::model::{
-    ChatMessage, IncrementalDecoder, KvCache, KvDtype, LoadedModel, SamplingParams,
-};
+use tokenrouter::model::{ChatMessage, IncrementalDecoder, KvDtype, LoadedModel, SamplingParams};
 
 mod routed;
 
@@ -96,7 +94,9 @@ fn run_single(
 ) -> anyhow::Result<()> {
     let config = lm.model.config();
     let tokens = (prompt.len() + args.max_tokens).min(config.context_length);
-    let mut kv = KvCache::with_capacity(config, args.block_size, tokens, args.kv_dtype)?;
+    let mut kv = lm
+        .model
+        .kv_cache_for(args.block_size, tokens, args.kv_dtype)?;
     let mut decoder = IncrementalDecoder::new();
     let mut stdout = std::io::stdout().lock();
     let request = GenerationRequest {

@@ -4,7 +4,7 @@ use std::io::Write;
 
 use tokenrouter::actors::{load_models, GenerateRequest, Prompt, RequestEvent, Runtime};
 use tokenrouter::config::Config;
-use tokenrouter::model::SamplingParams;
+use tokenrouter::model::{MatmulBackend, SamplingParams};
 
 use super::GenerateArgs;
 
@@ -14,8 +14,8 @@ const RESET: &str = "\x1b[0m";
 
 pub fn run(args: &GenerateArgs, params: SamplingParams) -> anyhow::Result<()> {
     let config = Config::load(&args.model.config)?;
-    let device = super::super::parse_device(&args.model.device)?;
-    let models = load_models(&config, &device)?;
+    let target = super::super::parse_device(&args.model.device, MatmulBackend::from_env())?;
+    let models = load_models(&config, target)?;
     let names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
     let prompt = if args.chat {
         Prompt::Chat(args.messages())

@@ -1,12 +1,12 @@
-//! The decoder's layers over loaded weights: linear projections (alone, or several of one
+//! The CPU backend's layers over loaded weights: linear projections (alone, or several of one
 //! input run as few matmuls), the feed-forward gate/up with its SiLU·gate, and RMS norm.
 
 use candle_core::{DType, Tensor};
 
-use super::error::Result;
-use super::profile::{timed, Part};
-use super::weights::{gated_kernel, Matmul, MatmulBackend, OwnKernel, Weight, WeightSource};
 use crate::kernels::{add_rms_norm_rows, rms_norm_in_place, silu_mul_rows};
+use crate::model::error::Result;
+use crate::model::timing::{timed, Part};
+use crate::model::weights::{gated_kernel, Matmul, MatmulBackend, OwnKernel, Weight};
 
 /// `y = x Wᵀ (+ b)`.
 pub struct Linear {
@@ -15,25 +15,6 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn load(
-        src: &mut dyn WeightSource,
-        name: &str,
-        out: usize,
-        inp: usize,
-        bias: bool,
-    ) -> Result<Self> {
-        let backend = src.backend();
-        let weight = src
-            .matrix(&format!("{name}.weight"), out, inp)?
-            .matmul(backend)?;
-        let bias = if bias {
-            Some(src.vector(&format!("{name}.bias"), out)?)
-        } else {
-            None
-        };
-        Self::new(weight, bias)
-    }
-
     pub fn new(weight: Matmul, bias: Option<Tensor>) -> Result<Self> {
         let bias = bias
             .map(|b| b.to_dtype(DType::F32)?.to_vec1())
@@ -77,29 +58,9 @@ pub struct FusedLinear {
 }
 
 impl FusedLinear {
-    /// `names[i]` with `rows[i]` output rows each, all over `inp` inputs.
-    pub fn load(
-        src: &mut dyn WeightSource,
-        parts: &[(&str, usize)],
-        inp: usize,
-        bias: bool,
-    ) -> Result<Self> {
-        let backend = src.backend();
-        let mut weights = Vec::with_capacity(parts.len());
-        let mut biases = Vec::with_capacity(parts.len());
-        for &(name, rows) in parts {
-            weights.push(src.matrix(&format!("{name}.weight"), rows, inp)?);
-            if bias {
-                biases.push(src.vector(&format!("{name}.bias"), rows)?);
-            }
-        }
-        let widths: Vec<usize> = parts.iter().map(|p| p.1).collect();
-        Self::from_weights(&weights, &biases, &widths, backend)
-    }
-
     /// The projections of `weights` (`widths[i]` rows each), with `biases` (one per weight,
     /// or none at all).
-    fn from_weights(
+    pub fn from_weights(
         weights: &[Weight],
         biases: &[Tensor],
         widths: &[usize],
@@ -136,6 +97,33 @@ impl FusedLinear {
         if let Some((linear, _)) = self.groups.first() {
             linear.prefetch_ahead();
         }
+    }
+
+    /// Our kernel of the first matmul, when it is one of ours.
+    pub fn own_kernel(&self) -> Option<&dyn OwnKernel> {
+        self.groups
+            .first()
+            .and_then(|(linear, _)| linear.own_kernel())
+    }
+
+    /// Every projection of the `rows` rows of `x`, each in a vector of its own: a single
+    /// projection is the matmul's output as it is, several are copied out of theirs.
+    pub fn forward_parts(&self, x: &[f32], rows: usize) -> Result<Vec<Vec<f32>>> {
+        if let [(linear, widths)] = self.groups.as_slice() {
+            if widths.len() == 1 {
+                return Ok(vec![linear.forward_rows(x, rows)?]);
+            }
+        }
+        let out = self.forward_rows(x, rows)?;
+        Ok((0..out.parts.len())
+            .map(|i| {
+                let mut y = Vec::with_capacity(rows * out.row(i, 0).len());
+                for r in 0..rows {
+                    y.extend_from_slice(out.row(i, r));
+                }
+                y
+            })
+            .collect())
     }
 
     /// Every projection of the `rows` rows of `x` (row-major, `in` each).
@@ -181,19 +169,13 @@ pub enum GateUp {
 }
 
 impl GateUp {
-    /// `gate` and `up` (`rows` output rows each, over `inp` inputs), without biases.
-    pub fn load(
-        src: &mut dyn WeightSource,
-        gate: &str,
-        up: &str,
+    /// Gate and up (`rows` output rows each, over `inp` inputs) as `backend` multiplies them.
+    pub fn from_weights(
+        weights: [Weight; 2],
         rows: usize,
         inp: usize,
+        backend: MatmulBackend,
     ) -> Result<Self> {
-        let backend = src.backend();
-        let weights = [
-            src.matrix(&format!("{gate}.weight"), rows, inp)?,
-            src.matrix(&format!("{up}.weight"), rows, inp)?,
-        ];
         if let [Weight::Quantized(g), Weight::Quantized(u)] = &weights {
             if backend == MatmulBackend::Native && weights[0].stacks_with(&weights[1]) {
                 if let Some(kernel) = gated_kernel(g.dtype(), rows, inp, &g.data()?, &u.data()?) {
@@ -244,9 +226,9 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(src: &mut dyn WeightSource, name: &str, len: usize, eps: f64) -> Result<Self> {
+    pub fn new(weight: &Tensor, eps: f64) -> Result<Self> {
         Ok(Self {
-            weight: src.vector(name, len)?.to_dtype(DType::F32)?.to_vec1()?,
+            weight: weight.to_dtype(DType::F32)?.to_vec1()?,
             eps: eps as f32,
         })
     }
@@ -278,18 +260,22 @@ mod tests {
     /// Matrices and vectors held in memory, by name.
     struct Memory(HashMap<String, Weight>, HashMap<String, Tensor>);
 
-    impl WeightSource for Memory {
-        fn matrix(&mut self, name: &str, _rows: usize, _cols: usize) -> Result<Weight> {
-            Ok(self.0[name].clone())
-        }
-        fn vector(&mut self, name: &str, _len: usize) -> Result<Tensor> {
-            Ok(self.1[name].clone())
-        }
-        fn contains(&self, name: &str) -> bool {
-            self.0.contains_key(name) || self.1.contains_key(name)
-        }
-        fn backend(&self) -> MatmulBackend {
-            MatmulBackend::Native
+    impl Memory {
+        /// Projections `parts` (name and rows), with their biases when `bias`.
+        fn fused(&self, parts: &[(&str, usize)], bias: bool) -> FusedLinear {
+            let weights: Vec<Weight> = parts
+                .iter()
+                .map(|(name, _)| self.0[&format!("{name}.weight")].clone())
+                .collect();
+            let biases: Vec<Tensor> = match bias {
+                true => parts
+                    .iter()
+                    .map(|(name, _)| self.1[&format!("{name}.bias")].clone())
+                    .collect(),
+                false => Vec::new(),
+            };
+            let widths: Vec<usize> = parts.iter().map(|p| p.1).collect();
+            FusedLinear::from_weights(&weights, &biases, &widths, MatmulBackend::Native).unwrap()
         }
     }
 
@@ -323,12 +309,12 @@ mod tests {
                 src.1.insert(format!("{name}.bias"), b);
             }
             let parts: Vec<(&str, usize)> = names.iter().copied().zip(rows).collect();
-            let fused = FusedLinear::load(&mut src, &parts, cols, bias).unwrap();
+            let fused = src.fused(&parts, bias);
             assert_eq!(fused.groups.len(), matmuls, "{types:?}");
             let out = fused.forward_rows(&x, 3).unwrap();
             for (i, (name, width)) in parts.iter().enumerate() {
-                let alone = Linear::load(&mut src, name, *width, cols, bias).unwrap();
-                let y = alone.forward_rows(&x, 3).unwrap();
+                let alone = src.fused(&[(name, *width)], bias);
+                let y = alone.forward_parts(&x, 3).unwrap().swap_remove(0);
                 for r in 0..3 {
                     assert_eq!(
                         out.row(i, r),
@@ -364,13 +350,14 @@ mod tests {
                 src.0
                     .insert(format!("{name}.weight"), Weight::Quantized(Arc::new(q)));
             }
-            let gate_up = GateUp::load(&mut src, "gate", "up", rows, cols).unwrap();
+            let weights = ["gate", "up"].map(|name| src.0[&format!("{name}.weight")].clone());
+            let gate_up = GateUp::from_weights(weights, rows, cols, MatmulBackend::Native).unwrap();
             let case = format!("{types:?} {rows}x{cols}");
             assert_eq!(matches!(gate_up, GateUp::Fused(_)), fused, "{case}");
             let mut got = vec![f32::NAN; 3 * rows];
             gate_up.forward_into(&x, 3, &mut got).unwrap();
             let parts = [("gate", rows), ("up", rows)];
-            let stacked = FusedLinear::load(&mut src, &parts, cols, false).unwrap();
+            let stacked = src.fused(&parts, false);
             let products = stacked.forward_rows(&x, 3).unwrap();
             let mut want = vec![0f32; 3 * rows];
             for (r, want) in want.chunks_exact_mut(rows).enumerate() {

@@ -1,0 +1,144 @@
+//! The seam between the decoder and a device. The decoder (`decoder.rs`) is written once over
+//! [`Backend`]: it reads the checkpoint's tensors, hands each to the backend to make ready for
+//! its device, and composes a forward pass from the backend's ops. A backend owns where the
+//! data lives (host memory and the compute pool, or device memory and a stream) and how each
+//! op runs; it never decides what the model computes.
+//!
+//! * [`cpu::Cpu`]: our SIMD kernels (`kernels::qmatmul`, attention, norms) over the compute
+//!   pool, or candle's where ours do not take a format.
+//! * `cuda::Cuda` (feature `cuda`): NVRTC-compiled kernels on one stream of one GPU.
+//!
+//! Every op takes the step's context ([`Backend::Step`]: positions, rotary angles, block
+//! tables, uploaded once per forward) where it needs one. Ops that only pay on one device
+//! (prefetching the next matmul's weights into the caches) have empty defaults.
+
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use candle_core::Tensor;
+
+use super::config::{ModelConfig, RopeStyle};
+use super::decoder::SeqInput;
+use super::error::Result;
+use super::kv_cache::KvCache;
+use super::weights::Weight;
+
+/// A device's ops and its forms of the model's data.
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// `[rows, width]` `f32` activations, row-major, where the device computes.
+    type Rows: Send;
+    /// One or more projections of one input (`y = x Wᵀ + b` each), ready to multiply.
+    type Linear: Send + Sync;
+    /// A SwiGLU feed-forward's gate and up projections and the SiLU·gate joining them.
+    type GateUp: Send + Sync;
+    /// An RMS norm's weight and epsilon.
+    type Norm: Send + Sync;
+    /// What the embedding lookup reads.
+    type Embedding: Send + Sync;
+    /// Every layer's K and V storage (inside a [`KvCache`]).
+    type Kv: Send;
+    /// Per forward pass: the batch's positions, rotary angles and block tables, in the form
+    /// the device's kernels read them.
+    type Step<'a>;
+
+    /// A short name of the device and its kernels, for logs and reports.
+    fn describe(&self) -> String;
+
+    /// Projections `weights[i]` (`widths[i]` rows each, over the same input) with their biases
+    /// (one per weight, or none at all), run as few matmuls as the formats allow.
+    fn linear(
+        &self,
+        weights: &[Weight],
+        biases: &[Tensor],
+        widths: &[usize],
+    ) -> Result<Self::Linear>;
+    /// Gate and up, `rows` rows each over `cols` inputs.
+    fn gate_up(&self, gate: Weight, up: Weight, rows: usize, cols: usize) -> Result<Self::GateUp>;
+    fn norm(&self, weight: &Tensor, eps: f64) -> Result<Self::Norm>;
+    /// The lookup over `table`; `tied_head` is the LM head when it multiplies by the same
+    /// matrix, so a backend may read rows from its copy and drop `table`.
+    fn embedding(&self, table: Weight, tied_head: Option<&Self::Linear>)
+        -> Result<Self::Embedding>;
+    /// Whether `embedding` reads the tied LM head's rows.
+    fn embeds_from_head(&self, embedding: &Self::Embedding) -> bool;
+    /// The K/V storage of `cache`, which must have been made for this backend's device.
+    fn kv<'c>(&self, cache: &'c mut KvCache) -> Result<&'c mut Self::Kv>;
+
+    /// Uploads what every layer of one forward pass over `batch` reads.
+    /// `block_size`: the KV cache's.
+    fn begin_step<'a>(
+        &self,
+        config: &ModelConfig,
+        batch: &'a [SeqInput<'a>],
+        block_size: usize,
+        inv_freq: &[f32],
+        style: RopeStyle,
+    ) -> Result<Self::Step<'a>>;
+
+    /// Input embeddings of `ids`, `[ids, hidden]`.
+    fn embed(&self, e: &Self::Embedding, head: &Self::Linear, ids: &[u32]) -> Result<Self::Rows>;
+    /// Rows of zeros.
+    fn zeros(&self, rows: usize, width: usize) -> Result<Self::Rows>;
+    /// `x += add` (when given), then `out` = the norm of each row of `x`.
+    fn add_norm(
+        &self,
+        n: &Self::Norm,
+        x: &mut Self::Rows,
+        add: Option<&Self::Rows>,
+        out: &mut Self::Rows,
+    ) -> Result<()>;
+    /// Normalises `x` in place, in rows of the norm's length (a per-head norm normalises each
+    /// head of each token).
+    fn norm_in_place(&self, n: &Self::Norm, x: &mut Self::Rows) -> Result<()>;
+    /// `x += y`.
+    fn add(&self, x: &mut Self::Rows, y: &Self::Rows) -> Result<()>;
+    /// Every projection of the `rows` rows of `x`, in order, each `[rows, width]`.
+    fn project(&self, l: &Self::Linear, x: &Self::Rows, rows: usize) -> Result<Vec<Self::Rows>>;
+    /// The one projection of a single-projection `l`.
+    fn project_one(&self, l: &Self::Linear, x: &Self::Rows, rows: usize) -> Result<Self::Rows> {
+        Ok(self.project(l, x, rows)?.swap_remove(0))
+    }
+    /// `silu(x · gateᵀ) · (x · upᵀ)` of the `rows` rows of `x` into `out`.
+    fn gate_up_forward(
+        &self,
+        g: &Self::GateUp,
+        x: &Self::Rows,
+        rows: usize,
+        out: &mut Self::Rows,
+    ) -> Result<()>;
+    /// Rotary embedding of `x` (`[tokens, heads, head_dim]`) at the step's positions.
+    fn rotary(&self, step: &Self::Step<'_>, x: &mut Self::Rows, heads: usize) -> Result<()>;
+    /// Writes the new tokens' K and V rows (`[tokens, kv_heads, head_dim]`) into layer
+    /// `layer`'s cache at their positions.
+    fn kv_write(
+        &self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        step: &Self::Step<'_>,
+        k: &Self::Rows,
+        v: &Self::Rows,
+    ) -> Result<()>;
+    /// Causal paged attention of `q` (`[tokens, heads, head_dim]`) over layer `layer`'s
+    /// cache, which already holds the new tokens' K/V.
+    fn attention(
+        &self,
+        kv: &Self::Kv,
+        layer: usize,
+        step: &Self::Step<'_>,
+        q: &Self::Rows,
+        heads: usize,
+        scale: f32,
+    ) -> Result<Self::Rows>;
+    /// Rows `rows` of `x` (`width` wide), in that order.
+    fn select_rows(&self, x: &Self::Rows, rows: &[usize], width: usize) -> Result<Self::Rows>;
+    /// The values of `x` in host memory, row-major.
+    fn to_host(&self, x: Self::Rows) -> Result<Vec<f32>>;
+
+    /// Says that `l` is the next matmul to run.
+    fn prefetch(&self, _l: &Self::Linear) {}
+    /// Says that `g` is the next matmul to run.
+    fn prefetch_gate_up(&self, _g: &Self::GateUp) {}
+    /// Says that layer `layer`'s K/V rows for the step are written next.
+    fn prefetch_kv(&self, _kv: &Self::Kv, _layer: usize, _step: &Self::Step<'_>) {}
+}
