@@ -102,6 +102,9 @@ pub struct ChatRequest {
     pub sampling: OpenAiSampling,
 }
 
+/// The message roles OpenAI's chat API accepts.
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessageIn {
     pub role: String,
@@ -270,14 +273,42 @@ impl ChatRequest {
             .iter()
             .enumerate()
             .map(|(i, m)| {
+                if !ROLES.contains(&m.role.as_str()) {
+                    return Err(ApiError::invalid(
+                        &format!("messages[{i}].role"),
+                        format!(
+                            "messages[{i}].role: '{}' is not one of {}",
+                            m.role,
+                            ROLES.join(", ")
+                        ),
+                    ));
+                }
+                let field = format!("messages[{i}].content");
                 let content = match &m.content {
-                    None => String::new(),
+                    // Only an assistant turn may come without content (OpenAI's carries tool
+                    // calls then, which are not supported here: it renders empty).
+                    None if m.role == "assistant" => String::new(),
+                    None => {
+                        return Err(ApiError::invalid(
+                            &field,
+                            format!("{field}: required for a '{}' message", m.role),
+                        ))
+                    }
                     Some(Content::Text(t)) => t.clone(),
                     Some(Content::Parts(parts)) => {
                         if let Some(p) = parts.iter().find(|p| p.kind != "text") {
                             return Err(ApiError::invalid(
-                                &format!("messages[{i}].content"),
-                                format!("messages[{i}].content: part type '{}' is not supported (text only)", p.kind),
+                                &field,
+                                format!(
+                                    "{field}: part type '{}' is not supported (text only)",
+                                    p.kind
+                                ),
+                            ));
+                        }
+                        if let Some(j) = parts.iter().position(|p| p.text.is_none()) {
+                            return Err(ApiError::invalid(
+                                &format!("{field}[{j}].text"),
+                                format!("{field}[{j}].text: a text part needs its text"),
                             ));
                         }
                         parts.iter().filter_map(|p| p.text.as_deref()).collect()
@@ -362,6 +393,34 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("sampling_params.top_p"), "{e}");
         let e = ChatRequest::parse(b"{not json").unwrap_err();
         assert_eq!(e.param.as_deref(), Some("body"));
+    }
+
+    /// As OpenAI's API: an unknown role, and a message other than the assistant's without
+    /// content, are rejected naming the field; an assistant turn may omit its content.
+    #[test]
+    fn roles_and_required_content_are_checked() {
+        let param = |body: &[u8]| {
+            ChatRequest::parse(body)
+                .unwrap()
+                .to_request()
+                .err()
+                .and_then(|e| e.param)
+        };
+        assert_eq!(
+            param(br#"{"messages": [{"role": "wizard", "content": "hi"}]}"#).as_deref(),
+            Some("messages[0].role")
+        );
+        assert_eq!(
+            param(br#"{"messages": [{"role": "system", "content": "s"}, {"role": "user"}]}"#)
+                .as_deref(),
+            Some("messages[1].content")
+        );
+        assert_eq!(
+            param(br#"{"messages": [{"role": "user", "content": [{"type": "text"}]}]}"#).as_deref(),
+            Some("messages[0].content[0].text")
+        );
+        let ok = br#"{"messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": null}]}"#;
+        assert_eq!(param(ok), None);
     }
 
     #[test]
