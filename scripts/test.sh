@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need on a fresh machine, fetches the default
-# models, then runs `cargo test`. Extra arguments go to `cargo test`, e.g.
+# models, then runs `cargo test`, and, with no arguments, the CUDA kernels' checks that need
+# no GPU: every kernel compiled by NVRTC for sm_80 and sm_90 (`--features cuda`), and every
+# kernel run on the CPU emulator against independent references. Extra arguments go to
+# `cargo test` alone, e.g.
 #
 #   scripts/test.sh                      # everything
 #   scripts/test.sh --test server_http   # one test target
@@ -23,5 +26,21 @@ if ! python3 -c "import importlib.util as u; exit(u.find_spec('bochscpu') is Non
     || python3 -m pip install -q --break-system-packages bochscpu-python==0.4.0
 fi
 
+pip_install() {
+  python3 -m pip install -q "$@" || python3 -m pip install -q --break-system-packages "$@"
+}
+
 scripts/fetch-models.sh
 cargo test "$@" 2>&1
+[ $# -eq 0 ] || exit 0
+
+# NVRTC 13.0 (a CUDA 13.0 driver loads its CUBINs) from PyPI, found through LD_LIBRARY_PATH
+# as the `cuda` build finds it at run time; numpy and gguf-py are the emulator's references.
+nvrtc_lib() {
+  python3 -c 'import nvidia.cu13, os; print(os.path.join(list(nvidia.cu13.__path__)[0], "lib"))' 2>/dev/null
+}
+[ -e "$(nvrtc_lib)/libnvrtc.so.13" ] || pip_install nvidia-cuda-nvrtc==13.0.88
+python3 -c "import numpy, gguf" 2>/dev/null || pip_install numpy==2.4.6 gguf==0.19.0
+nvrtc_lib=$(nvrtc_lib)
+LD_LIBRARY_PATH="$nvrtc_lib:${LD_LIBRARY_PATH:-}" cargo test --features cuda --test cuda_kernels 2>&1
+python3 tests/cuda_emu/run.py

@@ -389,7 +389,7 @@ impl Config {
         for (i, m) in self.models.iter().enumerate() {
             if let DeviceSpec::Cuda(_) = m.device {
                 return Err(format!(
-                    "models[{i}].device = \"{}\": this build has no CUDA backend; use \"cpu\" or a core set such as \"cpu:0-7\"",
+                    "models[{i}].device = \"{}\": serving on a GPU is not supported yet (generate and bench-model take --device cuda:N in a build with the cuda feature); use \"cpu\" or a core set such as \"cpu:0-7\"",
                     m.device
                 ));
             }

@@ -426,3 +426,49 @@ fn unavailable_device_is_a_clear_error() {
     let out = generate(&model, "hi", &["--device", "tpu"]);
     assert_fails_with(&out, "--device 'tpu'");
 }
+
+/// A GPU the binary cannot use is a one-line error saying what is missing: the feature in a
+/// CPU-only build, the driver on a machine without one.
+#[test]
+fn an_unusable_gpu_is_a_clear_error() {
+    let out = tokenrouter(&[
+        "bench-model",
+        "--random",
+        "qwen2.5-0.5b",
+        "--device",
+        "cuda:0",
+    ]);
+    let needle = match cfg!(feature = "cuda") {
+        false => "built without the `cuda` feature",
+        true => "cuda:0: ",
+    };
+    assert_fails_with(&out, needle);
+    let out = tokenrouter(&["bench-model", "--random", "qwen3-9b"]);
+    assert_fails_with(&out, "qwen3-8b");
+}
+
+/// A random-weight model of a real shape is measured without a file.
+#[test]
+fn bench_model_measures_a_random_model_of_a_real_shape() {
+    let out = tokenrouter(&[
+        "bench-model",
+        "--random",
+        "qwen2.5-0.5b:q8_0",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "4",
+        "--decode-steps",
+        "2",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8(out.stdout).unwrap();
+    let row: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(row["model"], "random qwen2.5-0.5b:q8_0");
+    assert!(row["decode_tok_s"].as_f64().unwrap() > 0.0, "{row}");
+}

@@ -107,9 +107,9 @@ impl Sampler {
     /// Picks the next token from `logits`, given the prompt and the output so far.
     ///
     /// The row is only read: the penalties yield the few entries they change
-    /// ([`Sampler::penalised`]), greedy picks the largest value with those in place
-    /// ([`argmax_penalised`]), and temperature sampling reads the row in blocks
-    /// ([`Scaled`]), sorting only the candidates top-k or top-p keep.
+    /// (`Sampler::penalised`), greedy picks the largest value with those in place
+    /// (`argmax_penalised`), and temperature sampling reads the row in blocks
+    /// (`Scaled`), sorting only the candidates top-k or top-p keep.
     pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> u32 {
         let p = &self.params;
         let penalised = self.penalised(logits, prompt, output);

@@ -1,0 +1,264 @@
+// attention.cu: paged KV cache (f16) writes and causal paged attention.
+// Compiled as prelude.cuh + "\n" + this file.
+//
+// Cache layout, per layer, for K and V separately (f16 bits as unsigned short):
+//   cache[num_blocks][num_kv_heads][block_size][head_dim]
+// so element (block b, kv head h, slot s, dim d) is at
+//   ((b * num_kv_heads + h) * block_size + s) * head_dim + d        (64-bit arithmetic).
+// Cache base pointers must be 16-byte aligned (any cudaMalloc'd pointer is).
+
+// kv_write_f16
+// Launch: element-wise over n = tokens * num_kv_heads * head_dim; block = 256,
+//         grid = min(ceil(n / 256), 65535) or any grid >= 1 (grid-stride loop);
+//         dynamic shared memory = 0.
+// k and v are f32 [tokens, num_kv_heads, head_dim]. For token t with b = token_block[t] and
+// s = token_slot[t] (0 <= s < block_size):
+//   k_cache[b, h, s, d] = f16(k[t, h, d]),  v_cache[b, h, s, d] = f16(v[t, h, d])
+// (round to nearest even). A token with b < 0 is skipped (padding).
+extern "C" __global__ void kv_write_f16(unsigned short* k_cache, unsigned short* v_cache,
+                                        const float* k, const float* v, const int* token_block,
+                                        const int* token_slot, int tokens, int num_kv_heads,
+                                        int head_dim, int block_size) {
+    const long long per_token = (long long)num_kv_heads * head_dim;
+    const long long n = (long long)tokens * per_token;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const long long t = i / per_token;
+        const long long hd = i - t * per_token;  // h * head_dim + d
+        const long long h = hd / head_dim;
+        const long long d = hd - h * head_dim;
+        const int b = token_block[t];
+        if (b < 0) continue;
+        const int s = token_slot[t];
+        const long long dst = (((long long)b * num_kv_heads + h) * block_size + s) * head_dim + d;
+        k_cache[dst] = float_to_half(k[i]);
+        v_cache[dst] = float_to_half(v[i]);
+    }
+}
+
+#define PA_MAX_HEAD_DIM 256
+#define PA_MAX_WARPS 16
+
+// Loads VEC consecutive f16 values (VEC in {1, 2, 4, 8}; p aligned to 2 * VEC bytes) as f32.
+template <int VEC>
+__device__ __forceinline__ void load_half_vec(const unsigned short* p, float* out) {
+    if (VEC == 1) {
+        out[0] = half_to_float(p[0]);
+    } else if (VEC == 2) {
+        const unsigned int u = *(const unsigned int*)p;
+        out[0] = half_to_float((unsigned short)(u & 0xffffu));
+        out[1] = half_to_float((unsigned short)(u >> 16));
+    } else if (VEC == 4) {
+        const uint2 u = *(const uint2*)p;
+        out[0] = half_to_float((unsigned short)(u.x & 0xffffu));
+        out[1] = half_to_float((unsigned short)(u.x >> 16));
+        out[2] = half_to_float((unsigned short)(u.y & 0xffffu));
+        out[3] = half_to_float((unsigned short)(u.y >> 16));
+    } else {
+        const uint4 u = *(const uint4*)p;
+        const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            out[2 * i] = half_to_float((unsigned short)(w[i] & 0xffffu));
+            out[2 * i + 1] = half_to_float((unsigned short)(w[i] >> 16));
+        }
+    }
+}
+
+// One CTA per (token, head). The context positions 0..=pos are cut into tiles of 32; warp w
+// takes tiles w, w + W, w + 2W, ... In a tile, lane l scores position tile * 32 + l (a full
+// q.k over head_dim), then the warp updates its online-softmax state (running max m, per-lane
+// partial sum l, output accumulator acc) and accumulates the tile's V rows, lane l owning
+// output dims (l + 32 i) * VEC .. + VEC for i < NC. The W warp states are merged at the end
+// through shared memory.
+//   NC, VEC: NC = 1, VEC = head_dim / 32 when head_dim is 32, 64, 128 or 256; else NC = 8,
+//            VEC = 1 (any head_dim <= 256).
+//   K8:      head_dim % 8 == 0, so K rows are read 16 bytes at a time.
+template <int NC, int VEC, bool K8>
+__device__ __forceinline__ void paged_attention_body(
+    const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
+    const unsigned short* __restrict__ v_cache, float* __restrict__ out,
+    const int* __restrict__ block_tables, const int* __restrict__ table_start,
+    const int* __restrict__ token_pos, const int* __restrict__ token_seq, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, float scale, float* q_s, float* m_s,
+    float* l_s, float (*acc_s)[PA_MAX_HEAD_DIM]) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5;
+
+    const int t = blockIdx.x / num_heads;
+    const int h = blockIdx.x - t * num_heads;
+    const int kvh = h / (num_heads / num_kv_heads);
+    const int seq = token_seq[t];
+    const int n = token_pos[t] + 1;  // attends to positions 0 .. n - 1
+    const int* table = block_tables + table_start[seq];
+
+    const long long head_off = ((long long)t * num_heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = q[head_off + d];
+    __syncthreads();
+
+    const long long slab = (long long)block_size * head_dim;       // one (block, kv head)
+    const long long block_stride = (long long)num_kv_heads * slab;  // one block
+    const long long kv_off = (long long)kvh * slab;
+
+    float m = neg_inf_f32();  // running max of this warp (same in all lanes)
+    float l = 0.0f;           // this lane's share of the running sum of exp(score - m)
+    float acc[NC * VEC];
+#pragma unroll
+    for (int i = 0; i < NC * VEC; i++) acc[i] = 0.0f;
+
+    for (int tile = warp; tile * 32 < n; tile += nwarps) {
+        // Scores: lane scores position p.
+        const int p = tile * 32 + lane;
+        const bool valid = p < n;
+        long long row = 0;  // element offset of position p's K / V row
+        float score = neg_inf_f32();
+        if (valid) {
+            const int blk = table[p / block_size];
+            const int slot = p - (p / block_size) * block_size;
+            row = (long long)blk * block_stride + kv_off + (long long)slot * head_dim;
+            const unsigned short* kr = k_cache + row;
+            float dot = 0.0f;
+            if (K8) {
+#pragma unroll 4
+                for (int d = 0; d < head_dim; d += 8) {
+                    float kf[8];
+                    load_half_vec<8>(kr + d, kf);
+                    const float4 qa = *(const float4*)(q_s + d);
+                    const float4 qb = *(const float4*)(q_s + d + 4);
+                    dot = fmaf(qa.x, kf[0], dot);
+                    dot = fmaf(qa.y, kf[1], dot);
+                    dot = fmaf(qa.z, kf[2], dot);
+                    dot = fmaf(qa.w, kf[3], dot);
+                    dot = fmaf(qb.x, kf[4], dot);
+                    dot = fmaf(qb.y, kf[5], dot);
+                    dot = fmaf(qb.z, kf[6], dot);
+                    dot = fmaf(qb.w, kf[7], dot);
+                }
+            } else {
+                for (int d = 0; d < head_dim; d++) dot = fmaf(q_s[d], half_to_float(kr[d]), dot);
+            }
+            score = dot * scale;
+        }
+        // Online softmax update. Lane 0 of every tile is valid (tile * 32 < n), so tile_max
+        // and m_new are finite for finite inputs; the first update has m = -inf, corr = 0.
+        const float tile_max = warp_max(score);
+        const float m_new = fmaxf(m, tile_max);
+        const float corr = expf(m - m_new);
+        const float pexp = valid ? expf(score - m_new) : 0.0f;
+        l = fmaf(l, corr, pexp);
+#pragma unroll
+        for (int i = 0; i < NC * VEC; i++) acc[i] *= corr;
+        m = m_new;
+
+        // Weighted V rows of the tile's valid positions (cnt is warp-uniform).
+        const int cnt = min(32, n - tile * 32);
+        for (int j0 = 0; j0 < cnt; j0 += 8) {
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) {
+                const int j = j0 + jj;
+                if (j < cnt) {
+                    const float pj = __shfl_sync(0xffffffffu, pexp, j);
+                    const long long rj = __shfl_sync(0xffffffffu, row, j);
+                    const unsigned short* vr = v_cache + rj;
+#pragma unroll
+                    for (int c = 0; c < NC; c++) {
+                        const int d0 = (lane + 32 * c) * VEC;
+                        if (NC == 1 || d0 < head_dim) {
+                            float vf[VEC];
+                            load_half_vec<VEC>(vr + d0, vf);
+#pragma unroll
+                            for (int e = 0; e < VEC; e++) acc[c * VEC + e] = fmaf(pj, vf[e], acc[c * VEC + e]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // Publish this warp's state. A warp without tiles has m = -inf, l = 0, acc = 0.
+    l = warp_sum(l);
+    if (lane == 0) {
+        m_s[warp] = m;
+        l_s[warp] = l;
+    }
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const int d0 = (lane + 32 * c) * VEC;
+        if (NC == 1 || d0 < head_dim) {
+#pragma unroll
+            for (int e = 0; e < VEC; e++) acc_s[warp][d0 + e] = acc[c * VEC + e];
+        }
+    }
+    __syncthreads();
+
+    // Merge: out[d] = sum_w acc_w[d] e^(m_w - M) / sum_w l_w e^(m_w - M), M = max_w m_w.
+    float mx = neg_inf_f32();
+    for (int w = 0; w < nwarps; w++) mx = fmaxf(mx, m_s[w]);
+    float total = 0.0f;
+    for (int w = 0; w < nwarps; w++) {
+        if (m_s[w] != neg_inf_f32()) total += l_s[w] * expf(m_s[w] - mx);
+    }
+    // total > 0 whenever n >= 1; a token with position < 0 (n <= 0) gets zeros.
+    const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < nwarps; w++) {
+            if (m_s[w] != neg_inf_f32()) o = fmaf(acc_s[w][d], expf(m_s[w] - mx), o);
+        }
+        out[head_off + d] = o * inv_total;
+    }
+}
+
+// paged_attention_f16
+// Launch: grid = (tokens * num_heads, 1, 1)  [blockIdx.x = t * num_heads + h],
+//         block = (32 * W, 1, 1) with 1 <= W <= 16 warps (128 suggested; 256 or 512 when
+//         tokens * num_heads is small against the SM count and contexts are long, i.e.
+//         decode), dynamic shared memory = 0 (about 17.5 KB static).
+// Requirements: head_dim <= 256 (PA_MAX_HEAD_DIM; 64 and 128 are the fast common cases,
+//   any head_dim <= 256 works), num_heads % num_kv_heads == 0, block_size >= 1, caches
+//   16-byte aligned. A CTA whose head_dim or blockDim is out of range writes nothing; a token
+//   with token_pos[t] < 0 gets out[t, :, :] = 0.
+// Inputs: q, out are f32 [tokens, num_heads, head_dim]; k_cache, v_cache are one layer's
+//   f16 caches (layout at the top of this file). Token t belongs to sequence
+//   s = token_seq[t], is at position p = token_pos[t], and its sequence's block ids are
+//   block_tables[table_start[s] + j] for positions j * block_size .. (j + 1) * block_size - 1.
+//   The K/V of the token itself (and of all positions <= p) must already be in the cache.
+// Computes, for head h (kv head g = h / (num_heads / num_kv_heads)) and j in 0..=p:
+//   score_j = scale * sum_d q[t, h, d] * K[j, g, d]
+//   out[t, h, :] = sum_j softmax(score)_j * V[j, g, :]
+// in f32 with an online (running max) softmax per warp, the warps' states merged exactly.
+extern "C" __global__ void paged_attention_f16(const float* q, const unsigned short* k_cache,
+                                               const unsigned short* v_cache, float* out,
+                                               const int* block_tables, const int* table_start,
+                                               const int* token_pos, const int* token_seq,
+                                               int tokens, int num_heads, int num_kv_heads,
+                                               int head_dim, int block_size, float scale) {
+    __shared__ __align__(16) float q_s[PA_MAX_HEAD_DIM];
+    __shared__ float m_s[PA_MAX_WARPS];
+    __shared__ float l_s[PA_MAX_WARPS];
+    __shared__ __align__(16) float acc_s[PA_MAX_WARPS][PA_MAX_HEAD_DIM];
+    if (head_dim > PA_MAX_HEAD_DIM || head_dim <= 0 || blockDim.x > 32 * PA_MAX_WARPS ||
+        (blockDim.x & 31) != 0 || (int)blockIdx.x >= tokens * num_heads) {
+        return;  // uniform over the CTA
+    }
+    const bool k8 = (head_dim & 7) == 0;
+#define PA_CALL(NC, VEC, K8)                                                                   \
+    paged_attention_body<NC, VEC, K8>(q, k_cache, v_cache, out, block_tables, table_start,    \
+                                      token_pos, token_seq, num_heads, num_kv_heads, head_dim, \
+                                      block_size, scale, q_s, m_s, l_s, acc_s)
+    if (head_dim == 32) {
+        PA_CALL(1, 1, true);
+    } else if (head_dim == 64) {
+        PA_CALL(1, 2, true);
+    } else if (head_dim == 128) {
+        PA_CALL(1, 4, true);
+    } else if (head_dim == 256) {
+        PA_CALL(1, 8, true);
+    } else if (k8) {
+        PA_CALL(8, 1, true);
+    } else {
+        PA_CALL(8, 1, false);
+    }
+#undef PA_CALL
+}

@@ -1,0 +1,747 @@
+//! The CUDA backend: weights kept as stored (GGML blocks, f16, bf16, f32) in device memory,
+//! activations `f32` on the device, the paged KV cache in `f16` on the device, and every op a
+//! kernel of `kernels::cuda` launched on the model's own stream. Decode batches multiply with a
+//! matrix-vector kernel that reads each weight once per [`MAX_MATVEC_BATCH`] rows; prefills
+//! dequantize to `f16` and run a tensor-core GEMM (cuBLASLt, `f32` output) (see `linear`).
+//! Only the rows sampling reads come back to the host.
+//!
+//! Libraries are loaded when a device is opened, not at link time: a build with this feature
+//! starts on machines without a GPU, and [`Cuda::open`] says in one line what is missing.
+
+mod linear;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+use cudarc::cublaslt::CudaBlasLT;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use super::Backend;
+use crate::kernels::cuda as kernels;
+use crate::model::config::{ModelConfig, RopeStyle};
+use crate::model::decoder::SeqInput;
+use crate::model::error::{ModelError, Result};
+use crate::model::kv_cache::{KvCache, KvDtype, KvStore};
+use crate::model::weights::Weight;
+pub use linear::{DeviceMatrix, Format, MAX_MATVEC_BATCH};
+
+/// One GPU, the stream a model computes on, and the kernels compiled for it.
+pub struct Cuda {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<String, CudaFunction>,
+    blas: CudaBlasLT,
+    /// cuBLASLt's scratch (32 MiB, what it asks for on Hopper).
+    workspace: CudaSlice<u8>,
+    arch: u32,
+}
+
+/// `f32` activations on the device: `rows` rows of `width`.
+pub struct DeviceRows {
+    buf: CudaSlice<f32>,
+    rows: usize,
+    width: usize,
+}
+
+/// Projections of one input: each matmul, its bias, and the widths of the projections it
+/// holds (consecutive projections of one format are stacked into one matrix at load).
+pub struct DeviceLinear {
+    groups: Vec<(DeviceMatrix, Option<CudaSlice<f32>>, Vec<usize>)>,
+}
+
+/// Gate and up, stacked when they share a format, and the width of each.
+pub struct DeviceGateUp {
+    linear: DeviceLinear,
+    width: usize,
+}
+
+pub struct DeviceNorm {
+    weight: CudaSlice<f32>,
+    len: usize,
+    eps: f32,
+}
+
+/// Every layer's K and V, `[block][kv_head][slot][head_dim]` in `f16`.
+pub struct DeviceKv {
+    k: Vec<CudaSlice<u16>>,
+    v: Vec<CudaSlice<u16>>,
+    block_size: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+/// One forward pass's positions and block tables on the device.
+pub struct Step<'a> {
+    positions: CudaSlice<u32>,
+    inv_freq: CudaSlice<f32>,
+    neox: bool,
+    token_block: CudaSlice<i32>,
+    token_slot: CudaSlice<i32>,
+    token_pos: CudaSlice<i32>,
+    token_seq: CudaSlice<i32>,
+    block_tables: CudaSlice<i32>,
+    table_start: CudaSlice<i32>,
+    tokens: usize,
+    _batch: std::marker::PhantomData<&'a ()>,
+}
+
+/// A driver or launch failure, as a model error.
+fn device_err(e: impl std::fmt::Debug) -> ModelError {
+    ModelError::Device(format!("{e:?}"))
+}
+
+/// Threads of an element-wise launch, and its grid over `n` elements.
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65535) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One CTA per row. `rows` must be > 0: callers return before launching over no rows (a CTA
+/// over a row that is not there would read past the buffer).
+fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launches kernel `$name` of `$cuda` with grid and block `$cfg` and the arguments in order.
+macro_rules! launch {
+    ($cuda:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let cuda: &Cuda = $cuda;
+        let mut b = cuda.stream.launch_builder(cuda.f($name));
+        $( b.arg($arg); )+
+        // SAFETY: every kernel's arguments are pushed in the order and types its source
+        // declares (see `kernels::cuda`), over buffers sized for the launch.
+        unsafe { b.launch($cfg) }.map(|_| ()).map_err(device_err)
+    }};
+}
+pub(crate) use launch;
+
+/// A null device pointer, for a kernel's optional argument.
+const NULL: u64 = 0;
+
+/// Largest `head_dim` `paged_attention_f16` takes (`PA_MAX_HEAD_DIM`; a CTA over a larger one
+/// writes nothing).
+const MAX_HEAD_DIM: usize = 256;
+
+/// `n` as a kernel's `int` element count.
+fn int_count(n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| {
+        ModelError::Device(format!(
+            "{n} elements: more than a kernel's int count takes (2^31 - 1)"
+        ))
+    })
+}
+
+impl Cuda {
+    /// Opens GPU `ordinal` and compiles (or reads from the cache) every kernel for it. Each
+    /// missing piece is named: the driver, NVRTC, cuBLASLt, the device.
+    pub fn open(ordinal: usize) -> Result<Self> {
+        // SAFETY: each only tries to open its library.
+        let (driver, blas) = unsafe {
+            (
+                cudarc::driver::sys::is_culib_present(),
+                cudarc::cublaslt::sys::is_culib_present(),
+            )
+        };
+        if !driver {
+            return Err(ModelError::Device(format!(
+                "cuda:{ordinal}: the NVIDIA driver library (libcuda.so.1) was not found: \
+                 this machine has no usable GPU driver"
+            )));
+        }
+        if !kernels::nvrtc_present() {
+            return Err(ModelError::Device(format!(
+                "cuda:{ordinal}: {}",
+                kernels::KernelError::NoNvrtc
+            )));
+        }
+        if !blas {
+            return Err(ModelError::Device(format!(
+                "cuda:{ordinal}: cuBLASLt (libcublasLt.so.13) was not found: install it \
+                 (pip install nvidia-cublas==13.0.*) and put its lib folder on LD_LIBRARY_PATH"
+            )));
+        }
+        let count = CudaContext::device_count().map_err(device_err)?;
+        if ordinal >= count.max(0) as usize {
+            return Err(ModelError::Device(format!(
+                "cuda:{ordinal}: this machine has {count} GPU(s)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(device_err)?;
+        let (major, minor) = ctx.compute_capability().map_err(device_err)?;
+        let arch = (major * 10 + minor) as u32;
+        // SAFETY: every buffer of this backend is allocated, used and freed on its one stream,
+        // so the events cudarc would record to order streams are not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(device_err)?;
+        let mut functions = HashMap::new();
+        for (file, names) in kernels::kernels() {
+            let body = kernels::SOURCES
+                .iter()
+                .find(|(f, _)| *f == file)
+                .map(|(_, b)| *b)
+                .expect("every kernel file is a source");
+            let cubin = kernels::cached_cubin(file, body, arch)
+                .map_err(|e| ModelError::Device(e.to_string()))?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .map_err(device_err)?;
+            for name in names {
+                let f = module.load_function(&name).map_err(device_err)?;
+                functions.insert(name, f);
+            }
+        }
+        let blas = CudaBlasLT::new(stream.clone()).map_err(device_err)?;
+        let workspace = stream.alloc_zeros::<u8>(32 << 20).map_err(device_err)?;
+        Ok(Self {
+            ctx,
+            stream,
+            functions,
+            blas,
+            workspace,
+            arch,
+        })
+    }
+
+    /// The raw address of `buf`, for a kernel argument that may be null.
+    fn ptr<T>(&self, buf: &CudaSlice<T>) -> u64 {
+        cudarc::driver::DevicePtr::device_ptr(buf, &self.stream).0
+    }
+
+    fn f(&self, name: &str) -> &CudaFunction {
+        &self.functions[name]
+    }
+
+    fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(data).map_err(device_err)
+    }
+
+    fn alloc(&self, rows: usize, width: usize) -> Result<DeviceRows> {
+        let buf = self
+            .stream
+            .alloc_zeros::<f32>((rows * width).max(1))
+            .map_err(device_err)?;
+        Ok(DeviceRows { buf, rows, width })
+    }
+
+    /// A vector of `f32` values on the device.
+    fn vector(&self, t: &Tensor) -> Result<CudaSlice<f32>> {
+        self.upload(&t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    /// A KV cache of `num_blocks` blocks for every layer of `config`, in device memory.
+    pub fn kv_cache(
+        &self,
+        config: &ModelConfig,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvDtype,
+    ) -> Result<KvCache> {
+        if dtype != KvDtype::F16 {
+            return Err(ModelError::Device(
+                "the CUDA backend stores its KV cache in f16 (kv_dtype = \"f16\")".into(),
+            ));
+        }
+        if config.head_dim > MAX_HEAD_DIM {
+            return Err(ModelError::Device(format!(
+                "the CUDA attention kernel takes head_dim up to {MAX_HEAD_DIM}, not {}",
+                config.head_dim
+            )));
+        }
+        let per_layer = (num_blocks * block_size * config.kv_dim()).max(1);
+        let layer = || {
+            self.stream
+                .alloc_zeros::<u16>(per_layer)
+                .map_err(device_err)
+        };
+        let mut k = Vec::with_capacity(config.num_layers);
+        let mut v = Vec::with_capacity(config.num_layers);
+        for _ in 0..config.num_layers {
+            k.push(layer()?);
+            v.push(layer()?);
+        }
+        let store = KvStore::Cuda(DeviceKv {
+            k,
+            v,
+            block_size,
+            num_kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+        });
+        Ok(KvCache::from_store(block_size, num_blocks, store))
+    }
+
+    /// Bytes per second a device-to-device copy moves (each byte read once and written once,
+    /// both counted), best of five copies of 1 GiB.
+    pub fn copy_rate(&self) -> Result<f64> {
+        let len = 1 << 30;
+        let src = self.stream.alloc_zeros::<u8>(len).map_err(device_err)?;
+        let mut dst = self.stream.alloc_zeros::<u8>(len).map_err(device_err)?;
+        let mut best = 0f64;
+        for _ in 0..5 {
+            self.synchronize()?;
+            let started = std::time::Instant::now();
+            self.stream
+                .memcpy_dtod(&src, &mut dst)
+                .map_err(device_err)?;
+            self.synchronize()?;
+            best = best.max(2.0 * len as f64 / started.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    }
+
+    /// Free and total device memory, in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(device_err)
+    }
+
+    /// Waits for everything launched so far.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(device_err)
+    }
+
+    fn add_bias(&self, y: &mut DeviceRows, bias: &CudaSlice<f32>) -> Result<()> {
+        let (rows, cols) = (y.rows as i32, y.width as i32);
+        launch!(
+            self,
+            "add_bias",
+            elementwise(y.rows * y.width),
+            &mut y.buf,
+            bias,
+            &rows,
+            &cols
+        )
+    }
+
+    fn copy_columns(&self, src: &DeviceRows, offset: usize, width: usize) -> Result<DeviceRows> {
+        let mut dst = self.alloc(src.rows, width)?;
+        let (rows, stride, off, w) = (
+            src.rows as i32,
+            src.width as i32,
+            offset as i32,
+            width as i32,
+        );
+        launch!(
+            self,
+            "copy_columns",
+            elementwise(src.rows * width),
+            &src.buf,
+            &mut dst.buf,
+            &rows,
+            &stride,
+            &off,
+            &w
+        )?;
+        Ok(dst)
+    }
+
+    fn rms_norm_rows(&self, n: &DeviceNorm, x: &mut DeviceRows) -> Result<()> {
+        let rows = x.rows * x.width / n.len;
+        if rows == 0 {
+            return Ok(());
+        }
+        let cols = n.len as i32;
+        let threads = if n.len <= 256 { 64 } else { 256 };
+        // In place: `out` is `x`.
+        let ptr = {
+            let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(&x.buf, &self.stream);
+            p
+        };
+        launch!(
+            self,
+            "rms_norm",
+            per_row(rows, threads),
+            &ptr,
+            &n.weight,
+            &ptr,
+            &cols,
+            &n.eps
+        )
+    }
+}
+
+impl Backend for Cuda {
+    type Rows = DeviceRows;
+    type Linear = DeviceLinear;
+    type GateUp = DeviceGateUp;
+    type Norm = DeviceNorm;
+    type Embedding = DeviceMatrix;
+    type Kv = DeviceKv;
+    type Step<'a> = Step<'a>;
+
+    fn describe(&self) -> String {
+        let name = self.ctx.name().unwrap_or_else(|_| "GPU".into());
+        format!("cuda:{} ({name}, sm_{})", self.ctx.ordinal(), self.arch)
+    }
+
+    fn linear(
+        &self,
+        weights: &[Weight],
+        biases: &[Tensor],
+        widths: &[usize],
+    ) -> Result<DeviceLinear> {
+        let mut groups = Vec::new();
+        let mut start = 0;
+        while start < weights.len() {
+            let end = start
+                + 1
+                + weights[start + 1..]
+                    .iter()
+                    .take_while(|w| w.stacks_with(&weights[start]))
+                    .count();
+            let weight = match end - start {
+                1 => weights[start].clone(),
+                _ => Weight::stack(&weights[start..end])?
+                    .expect("weights of one format and row width stack"),
+            };
+            let bias = match biases.is_empty() {
+                true => None,
+                false => Some(self.vector(&Tensor::cat(&biases[start..end], 0)?)?),
+            };
+            groups.push((self.matrix(&weight)?, bias, widths[start..end].to_vec()));
+            start = end;
+        }
+        Ok(DeviceLinear { groups })
+    }
+
+    fn gate_up(&self, gate: Weight, up: Weight, rows: usize, _cols: usize) -> Result<DeviceGateUp> {
+        Ok(DeviceGateUp {
+            linear: self.linear(&[gate, up], &[], &[rows, rows])?,
+            width: rows,
+        })
+    }
+
+    fn norm(&self, weight: &Tensor, eps: f64) -> Result<DeviceNorm> {
+        Ok(DeviceNorm {
+            weight: self.vector(weight)?,
+            len: weight.elem_count(),
+            eps: eps as f32,
+        })
+    }
+
+    fn embedding(&self, table: Weight, _tied_head: Option<&DeviceLinear>) -> Result<DeviceMatrix> {
+        self.matrix(&table)
+    }
+
+    fn embeds_from_head(&self, _embedding: &DeviceMatrix) -> bool {
+        false
+    }
+
+    fn kv<'c>(&self, cache: &'c mut KvCache) -> Result<&'c mut DeviceKv> {
+        match cache.store_mut() {
+            KvStore::Cuda(kv) => Ok(kv),
+            KvStore::Host(_) => Err(ModelError::InvalidBatch(
+                "the KV cache is in host memory but the model is on a GPU".into(),
+            )),
+        }
+    }
+
+    fn begin_step<'a>(
+        &self,
+        _config: &ModelConfig,
+        batch: &'a [SeqInput<'a>],
+        block_size: usize,
+        inv_freq: &[f32],
+        style: RopeStyle,
+    ) -> Result<Step<'a>> {
+        let mut positions = Vec::new();
+        let mut token_seq = Vec::new();
+        let mut tables = Vec::new();
+        let mut table_start = Vec::with_capacity(batch.len());
+        for (i, s) in batch.iter().enumerate() {
+            table_start.push(tables.len() as i32);
+            tables.extend(s.blocks.iter().map(|&b| b as i32));
+            for p in s.start_pos..s.start_pos + s.tokens.len() {
+                positions.push(p as u32);
+                token_seq.push(i as i32);
+            }
+        }
+        let token_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        Ok(Step {
+            tokens: positions.len(),
+            positions: self.upload(&positions)?,
+            inv_freq: self.upload(inv_freq)?,
+            neox: style == RopeStyle::Neox,
+            token_block: self.upload(&slots(batch, block_size, |b, _| b))?,
+            token_slot: self.upload(&slots(batch, block_size, |_, s| s))?,
+            token_pos: self.upload(&token_pos)?,
+            token_seq: self.upload(&token_seq)?,
+            block_tables: self.upload(&tables)?,
+            table_start: self.upload(&table_start)?,
+            _batch: std::marker::PhantomData,
+        })
+    }
+
+    fn embed(&self, e: &DeviceMatrix, _head: &DeviceLinear, ids: &[u32]) -> Result<DeviceRows> {
+        let mut out = self.alloc(ids.len(), e.cols)?;
+        let rows = self.upload(ids)?;
+        e.rows_into(self, &rows, ids.len(), &mut out.buf)?;
+        Ok(out)
+    }
+
+    fn zeros(&self, rows: usize, width: usize) -> Result<DeviceRows> {
+        self.alloc(rows, width)
+    }
+
+    fn add_norm(
+        &self,
+        n: &DeviceNorm,
+        x: &mut DeviceRows,
+        add: Option<&DeviceRows>,
+        out: &mut DeviceRows,
+    ) -> Result<()> {
+        if x.rows == 0 {
+            return Ok(());
+        }
+        let cols = n.len as i32;
+        let add = add.map_or(NULL, |a| self.ptr(&a.buf));
+        launch!(
+            self,
+            "add_rms_norm",
+            per_row(x.rows, 256),
+            &mut x.buf,
+            &add,
+            &n.weight,
+            &mut out.buf,
+            &cols,
+            &n.eps
+        )
+    }
+
+    fn norm_in_place(&self, n: &DeviceNorm, x: &mut DeviceRows) -> Result<()> {
+        self.rms_norm_rows(n, x)
+    }
+
+    fn add(&self, x: &mut DeviceRows, y: &DeviceRows) -> Result<()> {
+        let n = (x.rows * x.width) as i64;
+        launch!(
+            self,
+            "add_in_place",
+            elementwise(n as usize),
+            &mut x.buf,
+            &y.buf,
+            &n
+        )
+    }
+
+    fn project(&self, l: &DeviceLinear, x: &DeviceRows, rows: usize) -> Result<Vec<DeviceRows>> {
+        let mut parts = Vec::new();
+        for (m, bias, widths) in &l.groups {
+            let mut y = m.multiply(self, x, rows)?;
+            if let Some(bias) = bias {
+                self.add_bias(&mut y, bias)?;
+            }
+            if widths.len() == 1 {
+                parts.push(y);
+                continue;
+            }
+            let mut offset = 0;
+            for &w in widths {
+                parts.push(self.copy_columns(&y, offset, w)?);
+                offset += w;
+            }
+        }
+        Ok(parts)
+    }
+
+    fn gate_up_forward(
+        &self,
+        g: &DeviceGateUp,
+        x: &DeviceRows,
+        rows: usize,
+        out: &mut DeviceRows,
+    ) -> Result<()> {
+        let w = g.width;
+        let (rows_i, w_i) = (rows as i32, w as i32);
+        match g.linear.groups.as_slice() {
+            // Stacked: one `[rows, 2w]` product, gate then up.
+            [(m, _, _)] => {
+                let y = m.multiply(self, x, rows)?;
+                let (gp, _s1) = cudarc::driver::DevicePtr::device_ptr(&y.buf, &self.stream);
+                let up = gp + (w * 4) as u64;
+                let stride = (2 * w) as i32;
+                launch!(
+                    self,
+                    "silu_mul",
+                    elementwise(rows * w),
+                    &gp,
+                    &up,
+                    &mut out.buf,
+                    &rows_i,
+                    &w_i,
+                    &stride,
+                    &stride
+                )
+            }
+            [(gm, _, _), (um, _, _)] => {
+                let gate = gm.multiply(self, x, rows)?;
+                let up = um.multiply(self, x, rows)?;
+                launch!(
+                    self,
+                    "silu_mul",
+                    elementwise(rows * w),
+                    &gate.buf,
+                    &up.buf,
+                    &mut out.buf,
+                    &rows_i,
+                    &w_i,
+                    &w_i,
+                    &w_i
+                )
+            }
+            _ => Err(ModelError::InvalidBatch(
+                "gate/up must be one or two matmuls".into(),
+            )),
+        }
+    }
+
+    fn rotary(&self, step: &Step<'_>, x: &mut DeviceRows, heads: usize) -> Result<()> {
+        let head_dim = x.width / heads;
+        let (tokens, heads_i, hd, neox) = (
+            step.tokens as i32,
+            heads as i32,
+            head_dim as i32,
+            step.neox as i32,
+        );
+        launch!(
+            self,
+            "rotary",
+            elementwise(step.tokens * heads * head_dim / 2),
+            &mut x.buf,
+            &step.positions,
+            &step.inv_freq,
+            &tokens,
+            &heads_i,
+            &hd,
+            &neox
+        )
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut DeviceKv,
+        layer: usize,
+        step: &Step<'_>,
+        k: &DeviceRows,
+        v: &DeviceRows,
+    ) -> Result<()> {
+        let (tokens, kvh, hd, bs) = (
+            step.tokens as i32,
+            kv.num_kv_heads as i32,
+            kv.head_dim as i32,
+            kv.block_size as i32,
+        );
+        let n = step.tokens * kv.num_kv_heads * kv.head_dim;
+        let (kc, vc) = (&mut kv.k[layer], &mut kv.v[layer]);
+        launch!(
+            self,
+            "kv_write_f16",
+            elementwise(n),
+            kc,
+            vc,
+            &k.buf,
+            &v.buf,
+            &step.token_block,
+            &step.token_slot,
+            &tokens,
+            &kvh,
+            &hd,
+            &bs
+        )
+    }
+
+    fn attention(
+        &self,
+        kv: &DeviceKv,
+        layer: usize,
+        step: &Step<'_>,
+        q: &DeviceRows,
+        heads: usize,
+        scale: f32,
+    ) -> Result<DeviceRows> {
+        let mut out = self.alloc(q.rows, q.width)?;
+        if step.tokens == 0 {
+            return Ok(out);
+        }
+        let (tokens, heads_i, kvh, hd, bs) = (
+            step.tokens as i32,
+            heads as i32,
+            kv.num_kv_heads as i32,
+            kv.head_dim as i32,
+            kv.block_size as i32,
+        );
+        // Decode (few CTAs, long contexts) splits each position range over more warps.
+        let threads = if step.tokens * heads < 512 { 256 } else { 128 };
+        let cfg = LaunchConfig {
+            grid_dim: ((step.tokens * heads) as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            "paged_attention_f16",
+            cfg,
+            &q.buf,
+            &kv.k[layer],
+            &kv.v[layer],
+            &mut out.buf,
+            &step.block_tables,
+            &step.table_start,
+            &step.token_pos,
+            &step.token_seq,
+            &tokens,
+            &heads_i,
+            &kvh,
+            &hd,
+            &bs,
+            &scale
+        )?;
+        Ok(out)
+    }
+
+    fn select_rows(&self, x: &DeviceRows, rows: &[usize], width: usize) -> Result<DeviceRows> {
+        // `gather_rows` reads rows of `width` values one after another.
+        debug_assert_eq!(width, x.width);
+        let mut out = self.alloc(rows.len(), width)?;
+        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let ids = self.upload(&ids)?;
+        let (n, w) = (rows.len() as i32, width as i32);
+        launch!(
+            self,
+            "gather_rows",
+            elementwise(rows.len() * width),
+            &x.buf,
+            &ids,
+            &mut out.buf,
+            &n,
+            &w
+        )?;
+        Ok(out)
+    }
+
+    fn to_host(&self, x: DeviceRows) -> Result<Vec<f32>> {
+        let mut v = self.stream.clone_dtoh(&x.buf).map_err(device_err)?;
+        v.truncate(x.rows * x.width);
+        Ok(v)
+    }
+}
+
+/// Per new token of the batch, `f(block, slot)` of its position in blocks of `block_size`.
+fn slots(batch: &[SeqInput], block_size: usize, f: impl Fn(i32, i32) -> i32) -> Vec<i32> {
+    let mut out = Vec::new();
+    for s in batch {
+        for p in s.start_pos..s.start_pos + s.tokens.len() {
+            out.push(f(s.blocks[p / block_size] as i32, (p % block_size) as i32));
+        }
+    }
+    out
+}

@@ -1,0 +1,175 @@
+//! The CUDA backend against the CPU backend on tiny random models of every architecture and
+//! every stored format: prefill of three prompts together (95 rows: the tensor-core GEMM
+//! path), then decode steps of the three (the matrix-vector kernel), and each sequence alone
+//! (70 rows: the GEMM; 20: the matrix-vector kernel in chunks; 5: in one call). Both sides follow the CPU's greedy tokens, so every step
+//! compares logits at the same context. Needs a GPU (`scripts/gpu-check.sh` runs it).
+
+use candle_core::quantized::GgmlDType;
+use candle_core::DType;
+use tokenrouter::model::sampler::argmax;
+use tokenrouter::model::tiny::{write_gguf, write_hf_dir, TinySpec};
+use tokenrouter::model::{
+    Architecture, BlockTable, ComputeTarget, KvDtype, LoadedModel, MatmulBackend, Model, SeqInput,
+};
+
+/// Logits agree within this fraction of the CPU's largest logit magnitude. The CPU multiplies
+/// quantized weights by activations quantized to 8 bits, the GPU by `f32` activations
+/// (matrix-vector) or `f16` ones (GEMM); both keep K/V in `f16`.
+const RELATIVE_TOLERANCE: f32 = 0.03;
+const DECODE_STEPS: usize = 6;
+
+/// Per step, per sequence: the logits of its last position.
+type Steps = Vec<Vec<Vec<f32>>>;
+
+/// Prefills `prompts` together, then decodes them together for [`DECODE_STEPS`] steps,
+/// feeding `feed[s][i]` at step `i + 1` where given, else the model's own greedy token.
+fn run(model: &Model, prompts: &[Vec<u32>], feed: Option<&[Vec<u32>]>) -> (Steps, Vec<Vec<u32>>) {
+    let capacity = prompts.len() * 128;
+    let mut kv = model.kv_cache_for(16, capacity, KvDtype::F16).unwrap();
+    let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::default()).collect();
+    for (table, p) in tables.iter_mut().zip(prompts) {
+        kv.reserve(table, p.len() + DECODE_STEPS).unwrap();
+    }
+    let mut steps = Vec::new();
+    let mut tokens: Vec<Vec<u32>> = prompts.iter().map(|_| Vec::new()).collect();
+    for step in 0..=DECODE_STEPS {
+        let inputs: Vec<SeqInput> = prompts
+            .iter()
+            .enumerate()
+            .map(|(s, p)| match step {
+                0 => SeqInput {
+                    tokens: p,
+                    start_pos: 0,
+                    blocks: tables[s].blocks(),
+                    logits: true,
+                },
+                _ => SeqInput {
+                    tokens: std::slice::from_ref(&tokens[s][step - 1]),
+                    start_pos: p.len() + step - 1,
+                    blocks: tables[s].blocks(),
+                    logits: true,
+                },
+            })
+            .collect();
+        let out = model.forward(&inputs, &mut kv, false).unwrap();
+        let rows = out.logits.to_vec2::<f32>().unwrap();
+        drop(inputs);
+        for (s, row) in rows.iter().enumerate() {
+            let next = match feed {
+                Some(f) => f[s].get(step).copied().unwrap_or(0),
+                None => argmax(row),
+            };
+            tokens[s].push(next);
+        }
+        steps.push(rows);
+    }
+    (steps, tokens)
+}
+
+/// Checks `gpu` against `cpu` step by step; `what` names the case.
+fn compare(cpu: &Steps, gpu: &Steps, what: &str) {
+    for (step, (c, g)) in cpu.iter().zip(gpu).enumerate() {
+        for (s, (c, g)) in c.iter().zip(g).enumerate() {
+            let scale = c.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let tol = RELATIVE_TOLERANCE * scale + 1e-3;
+            let diff = c.iter().zip(g).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                diff <= tol,
+                "{what}: step {step} sequence {s}: logits differ by {diff} (tolerance {tol})"
+            );
+            let mut sorted = c.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] > 2.0 * tol {
+                assert_eq!(
+                    argmax(c),
+                    argmax(g),
+                    "{what}: step {step} sequence {s}: greedy"
+                );
+            }
+        }
+    }
+}
+
+fn check(dir: &std::path::Path, what: &str) {
+    let cpu = LoadedModel::load_on(dir, ComputeTarget::Cpu(MatmulBackend::Native)).unwrap();
+    let gpu =
+        LoadedModel::load_on(dir, ComputeTarget::Cuda(0)).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let prompts = vec![
+        (1..=70).map(|i| (i * 7 % 250) as u32).collect::<Vec<u32>>(),
+        vec![3, 1, 4, 1, 5],
+        (1..=20).map(|i| (i * 13 % 250) as u32).collect(),
+    ];
+    let (cpu_steps, cpu_tokens) = run(&cpu.model, &prompts, None);
+    let (gpu_steps, _) = run(&gpu.model, &prompts, Some(&cpu_tokens));
+    compare(&cpu_steps, &gpu_steps, &format!("{what}, batched"));
+    for (s, prompt) in prompts.iter().enumerate() {
+        let one = std::slice::from_ref(prompt);
+        let feed = std::slice::from_ref(&cpu_tokens[s]);
+        let (alone, _) = run(&gpu.model, one, Some(feed));
+        let cpu_alone: Steps = cpu_steps.iter().map(|rows| vec![rows[s].clone()]).collect();
+        compare(&cpu_alone, &alone, &format!("{what}, sequence {s} alone"));
+    }
+}
+
+#[test]
+fn gpu_logits_and_greedy_tokens_match_the_cpu() {
+    use GgmlDType::*;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cases = 0;
+    for arch in [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+    ] {
+        for (dtype, spec) in [
+            (F32, TinySpec::new(arch)),
+            (F16, TinySpec::new(arch)),
+            (Q4_0, TinySpec::new(arch)),
+            (Q4_1, TinySpec::new(arch)),
+            (Q5_0, TinySpec::new(arch)),
+            (Q8_0, TinySpec::new(arch)),
+            (Q4K, TinySpec::new(arch).k_quant_sized()),
+            (Q6K, TinySpec::new(arch).k_quant_sized()),
+        ] {
+            let path = tmp.path().join(format!("{arch:?}-{dtype:?}.gguf"));
+            write_gguf(&spec, &path, &[dtype]).unwrap();
+            check(&path, &format!("{arch:?} {dtype:?}"));
+            cases += 1;
+        }
+        for dtype in [DType::BF16, DType::F16] {
+            let dir = tmp.path().join(format!("{arch:?}-{dtype:?}-hf"));
+            write_hf_dir(&TinySpec::new(arch), &dir, dtype).unwrap();
+            check(&dir, &format!("{arch:?} safetensors {dtype:?}"));
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 30);
+}
+
+#[test]
+fn a_cpu_cache_is_refused_by_a_gpu_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    write_gguf(
+        &TinySpec::new(Architecture::Qwen3),
+        &path,
+        &[GgmlDType::Q8_0],
+    )
+    .unwrap();
+    let gpu = LoadedModel::load_on(&path, ComputeTarget::Cuda(0)).unwrap();
+    let mut kv =
+        tokenrouter::model::KvCache::with_capacity(gpu.model.config(), 16, 64, KvDtype::F16)
+            .unwrap();
+    let mut table = BlockTable::default();
+    kv.reserve(&mut table, 2).unwrap();
+    let input = SeqInput {
+        tokens: &[1, 2],
+        start_pos: 0,
+        blocks: table.blocks(),
+        logits: true,
+    };
+    let Err(err) = gpu.model.forward(&[input], &mut kv, false) else {
+        panic!("a GPU model ran over a host-memory KV cache");
+    };
+    assert!(err.to_string().contains("host memory"), "{err}");
+}
