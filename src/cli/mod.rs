@@ -87,6 +87,17 @@ struct ModelArg {
     device: String,
 }
 
+/// A progress bar over `total` `unit`s on stderr, drawn only when stderr is a terminal (in a
+/// pipe or a log it stays silent).
+fn progress_bar(total: usize, unit: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total as u64);
+    let template = format!("[{{bar:30}}] {{pos}}/{{len}} {unit} ({{elapsed}})");
+    if let Ok(style) = indicatif::ProgressStyle::with_template(&template) {
+        bar.set_style(style.progress_chars("#>."));
+    }
+    bar
+}
+
 /// Parses `cpu` / `cuda` / `cuda:N` into where the model computes with `backend`'s kernels.
 fn parse_device(spec: &str, backend: MatmulBackend) -> anyhow::Result<ComputeTarget> {
     Ok(match spec {

@@ -169,21 +169,19 @@ pub fn run(args: TrainRouterArgs) -> anyhow::Result<()> {
         files.len()
     );
     let started = Instant::now();
-    let total = texts.len();
+    let bar = super::progress_bar(texts.len(), "chunks");
     let data = collect(
         &models[slm].model,
         &models[llm].model,
         &texts,
         args.top_k,
-        |done| {
-            eprint!(
-                "\r{done}/{total} chunks ({:.0} s)",
-                started.elapsed().as_secs_f64()
-            );
-        },
+        |done| bar.set_position(done as u64),
     )?;
+    bar.finish_and_clear();
     eprintln!(
-        "\n{} positions, the models disagree on {:.1} %",
+        "{} chunks in {:.0} s: {} positions, the models disagree on {:.1} %",
+        texts.len(),
+        started.elapsed().as_secs_f64(),
         data.rows(),
         100.0 * data.positive_share()
     );

@@ -249,7 +249,7 @@ async fn run_levels(
             r.prefix_hit_rate = Some((a.0 - b.0) / (a.1 - b.1).max(1.0));
         }
         eprintln!(
-            "\r{mode} c={c}: {:.1} output tok/s, {} requests, {} failed{}",
+            "{mode} c={c}: {:.1} output tok/s, {} requests, {} failed{}",
             r.output_tok_s,
             r.requests,
             r.failed,
@@ -274,7 +274,7 @@ async fn run_level(
 ) -> (Vec<client::Sample>, Vec<String>) {
     let (first, sessions) = (indices.start, indices.len());
     let next = Rc::new(Cell::new(0usize));
-    let done = Rc::new(Cell::new(0usize));
+    let done = super::progress_bar(sessions, "sessions");
     let out = Rc::new(RefCell::new((Vec::new(), Vec::new())));
     let tasks: Vec<_> = (0..concurrency)
         .map(|_| {
@@ -310,8 +310,7 @@ async fn run_level(
                             }
                         }
                     }
-                    done.set(done.get() + 1);
-                    progress(done.get(), sessions);
+                    done.inc(1);
                 }
             })
         })
@@ -319,19 +318,10 @@ async fn run_level(
     for t in tasks {
         let _ = t.await;
     }
+    done.finish_and_clear();
     Rc::try_unwrap(out)
         .map(RefCell::into_inner)
         .unwrap_or_default()
-}
-
-fn progress(done: usize, total: usize) {
-    let width = 30;
-    let filled = done * width / total.max(1);
-    eprint!(
-        "\r[{}{}] {done}/{total} sessions",
-        "#".repeat(filled),
-        ".".repeat(width - filled)
-    );
 }
 
 fn start_server(args: &BenchArgs, label: &str, serve_args: &[String]) -> anyhow::Result<Child> {
