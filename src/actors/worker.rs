@@ -118,7 +118,9 @@ pub struct ModelWorker {
     stats: WorkerStats,
     healthy: Arc<AtomicBool>,
     prefixes: Arc<PublishedPrefixes>,
-    /// Test hook: a forward pass over this token id panics (`TOKENROUTER_FAILPOINT_TOKEN`).
+    /// Test hook: a forward pass over this token id panics (`TOKENROUTER_FAILPOINT_TOKEN`, in
+    /// a build with the `failpoints` feature).
+    #[cfg(feature = "failpoints")]
     failpoint: Option<u32>,
     online: Option<OnlineThresholds>,
     /// The operating point being solved off-thread, if any.
@@ -164,6 +166,7 @@ impl ModelWorker {
             prefixes: setup.prefixes,
             online: setup.online,
             solving: None,
+            #[cfg(feature = "failpoints")]
             failpoint: std::env::var("TOKENROUTER_FAILPOINT_TOKEN")
                 .ok()
                 .and_then(|v| v.parse().ok()),

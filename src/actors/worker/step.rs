@@ -81,10 +81,12 @@ impl ModelWorker {
             .collect();
         let model = &self.model.model;
         let kv = &mut self.kv;
+        #[cfg(feature = "failpoints")]
         let failpoint = self.failpoint;
         let want_hidden = self.router.needs().hidden;
         type Out = (Tensor, Vec<f32>);
         let run = catch_unwind(AssertUnwindSafe(|| -> crate::model::Result<Out> {
+            #[cfg(feature = "failpoints")]
             if let Some(t) = failpoint.filter(|t| inputs.iter().any(|i| i.tokens.contains(t))) {
                 panic!("failpoint: token {t} reached the forward pass");
             }
