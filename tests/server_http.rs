@@ -371,8 +371,8 @@ fn overload_gets_503_with_retry_after_and_the_api_key_guards_every_route_but_hea
     assert_eq!(r.status, 200, "the slots were given back: {}", r.body);
 }
 
-/// Needs the `failpoints` feature (`scripts/test.sh` builds the tests with it).
-#[cfg(feature = "failpoints")]
+/// Needs the `failpoints` feature (`cargo test` turns it on through the dev-dependency on this
+/// package).
 #[test]
 fn a_panic_in_a_forward_pass_fails_its_requests_with_500_and_marks_health() {
     let server = TestServer::start_with_env("", &[], &[("TOKENROUTER_FAILPOINT_TOKEN", "77")]);

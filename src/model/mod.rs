@@ -16,6 +16,7 @@ pub mod runner;
 pub mod safetensors;
 pub mod sampler;
 pub mod timing;
+#[cfg(any(test, feature = "fixtures"))]
 pub mod tiny;
 pub mod tokenizer;
 mod weights;
