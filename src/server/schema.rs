@@ -9,36 +9,46 @@ use super::error::ApiError;
 use crate::actors::{GenerateRequest, Prompt};
 use crate::model::{ChatMessage, SamplingParams};
 
-/// Parses a JSON body, naming the field whose value is wrong. (Structs are parsed in parts
-/// rather than with `#[serde(flatten)]`, which would hide the field name of an error.)
+/// Parses a JSON body, naming the field whose value is wrong.
 pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if inner.is_syntax() || inner.is_eof() || path == "." {
-            ApiError::invalid(
-                "body",
-                format!("the body is not a valid JSON request: {inner}"),
-            )
-        } else {
-            ApiError::invalid(&path, format!("{path}: {inner}"))
-        }
+    read(&json(body)?, None)
+}
+
+/// The body's bytes parsed once; each endpoint then reads its parts from the value. (Parts
+/// rather than one struct with `#[serde(flatten)]`, which would hide the field name of an
+/// error.)
+fn json(body: &[u8]) -> Result<serde_json::Value, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid("body", format!("the body is not a valid JSON request: {e}"))
     })
 }
 
-/// Parses a nested object (`null` or absent: the defaults), naming `prefix.field` on error.
-fn parse_value<T: DeserializeOwned + Default>(
+/// Reads `T` from a parsed body (`prefix` `None`) or from its nested object `prefix`, naming
+/// `prefix.field` on error.
+fn read<T: DeserializeOwned>(value: &serde_json::Value, prefix: Option<&str>) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let inner = e.path().to_string();
+        let path = match prefix {
+            Some(prefix) => format!("{prefix}.{inner}"),
+            None if inner == "." => {
+                let message = format!("the body is not a valid JSON request: {}", e.into_inner());
+                return ApiError::invalid("body", message);
+            }
+            None => inner,
+        };
+        ApiError::invalid(&path, format!("{path}: {}", e.into_inner()))
+    })
+}
+
+/// Reads a nested object (`null` or absent: the defaults), naming `prefix.field` on error.
+fn read_nested<T: DeserializeOwned + Default>(
     value: &serde_json::Value,
     prefix: &str,
 ) -> Result<T, ApiError> {
     if value.is_null() {
         return Ok(T::default());
     }
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = format!("{prefix}.{}", e.path());
-        ApiError::invalid(&path, format!("{path}: {}", e.into_inner()))
-    })
+    read(value, Some(prefix))
 }
 
 /// `stop`: one string or a list.
@@ -247,18 +257,19 @@ impl OpenAiSampling {
     }
 }
 
-/// Parses the sampling fields of an OpenAI body (a second pass over the same bytes).
-fn openai_sampling(body: &[u8]) -> Result<OpenAiSampling, ApiError> {
-    let mut sampling: OpenAiSampling = parse(body)?;
-    sampling.fields = parse(body)?;
-    Ok(sampling)
+/// An OpenAI body, parsed once: the endpoint's own fields and the sampling fields.
+fn parse_openai<T: DeserializeOwned>(body: &[u8]) -> Result<(T, OpenAiSampling), ApiError> {
+    let body = json(body)?;
+    let request = read(&body, None)?;
+    let mut sampling: OpenAiSampling = read(&body, None)?;
+    sampling.fields = read(&body, None)?;
+    Ok((request, sampling))
 }
 
 impl ChatRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let mut request: Self = parse(body)?;
-        request.sampling = openai_sampling(body)?;
-        Ok(request)
+        let (request, sampling) = parse_openai::<Self>(body)?;
+        Ok(Self { sampling, ..request })
     }
 
     pub fn to_request(&self) -> Result<GenerateRequest, ApiError> {
@@ -324,9 +335,8 @@ impl ChatRequest {
 
 impl CompletionRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let mut request: Self = parse(body)?;
-        request.sampling = openai_sampling(body)?;
-        Ok(request)
+        let (request, sampling) = parse_openai::<Self>(body)?;
+        Ok(Self { sampling, ..request })
     }
 
     pub fn to_request(&self) -> Result<GenerateRequest, ApiError> {
@@ -362,8 +372,8 @@ impl GenerateBody {
                 ))
             }
         };
-        let s: NativeSampling = parse_value(&self.sampling_params, "sampling_params")?;
-        let fields: SamplingFields = parse_value(&self.sampling_params, "sampling_params")?;
+        let s: NativeSampling = read_nested(&self.sampling_params, "sampling_params")?;
+        let fields: SamplingFields = read_nested(&self.sampling_params, "sampling_params")?;
         Ok(GenerateRequest {
             prompt,
             params: fields.params()?,
