@@ -73,7 +73,7 @@ fn main() -> anyhow::Result<()> {
     });
     let models = load_models(
         &config,
-        tokenrouter::model::ComputeTarget::Cpu(tokenrouter::model::MatmulBackend::from_env()),
+        tokenrouter::model::ComputeTarget::Cpu(Default::default()),
     )?;
     actix::System::new().block_on(async move {
         let runtime = Runtime::start_with_router(&config, models, router)?;

@@ -7,7 +7,7 @@
 //! matrix to overflow every cache (as a decode step streams its weights), each round paired
 //! with a plain read of as many bytes: the kernels' share of the memory bandwidth. `cached`
 //! runs one row against one matrix that stays in the caches (best of 7 rounds of 2000 calls):
-//! the kernel's own rate, with `TOKENROUTER_THREADS=1` one core's. `FORMAT=Q4_K` picks one
+//! the kernel's own rate, with `THREADS=1` one core's. `FORMAT=Q4_K` picks one
 //! format for either.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -188,6 +188,10 @@ fn cached<B: WeightBlock>(dtype: GgmlDType, rows: usize, cols: usize) {
 }
 
 fn main() {
+    if let Ok(n) = std::env::var("THREADS") {
+        let n = n.parse().expect("THREADS is a number");
+        tokenrouter::kernels::parallel::limit_cores(n).unwrap();
+    }
     let which = std::env::args().nth(1).unwrap_or_default();
     let batches: Vec<usize> = match std::env::var("BATCH") {
         Ok(b) => vec![b.parse().expect("BATCH is a number")],

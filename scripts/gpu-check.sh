@@ -15,7 +15,7 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${1:-${OUT:-$here/gpu-check-out}}"
 mkdir -p "$out"
-export TOKENROUTER_CACHE="$out/cache"
+export TOKENROUTER_KERNEL_CACHE="$out/cache"
 
 # CUDA libraries: the toolkit's, then any that PyTorch's wheels carry.
 libs=$(ls -d /usr/local/cuda/lib64 /usr/local/cuda-*/lib64 /usr/local/cuda/targets/*/lib 2>/dev/null | tr '\n' ':')

@@ -7,7 +7,15 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
-    let args = cli::Cli::parse();
+    let args = match cli::Cli::try_parse() {
+        Ok(args) => args,
+        // --help and --version print to stdout and succeed.
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            eprintln!("{}", one_line(&e.render().to_string()));
+            return ExitCode::from(2);
+        }
+    };
     // Our kernels run on each model's own compute pool (`kernels::parallel`); candle's few
     // remaining parallel ops (large element-wise maps) then run on the calling model's
     // thread rather than on a second set of threads spinning on the same cores. Set before
@@ -29,4 +37,15 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A command-line error as one line: clap's message without its usage and help hints.
+fn one_line(rendered: &str) -> String {
+    rendered
+        .lines()
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
 }

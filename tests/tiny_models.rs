@@ -100,8 +100,6 @@ fn llama_gguf_with_tied_embeddings_matches_reference() {
 /// bit, in every format the interleaved kernels take.
 #[test]
 fn a_tied_embedding_is_looked_up_in_the_lm_heads_own_rows() {
-    use tokenrouter::model::MatmulBackend;
-    let own_kernels = MatmulBackend::from_env() == MatmulBackend::Native;
     let llama = TinySpec::new(Architecture::Llama);
     for (spec, dtype) in [
         (llama.clone(), GgmlDType::Q8_0),
@@ -115,7 +113,7 @@ fn a_tied_embedding_is_looked_up_in_the_lm_heads_own_rows() {
         let path = dir.path().join("tiny.gguf");
         write_gguf(&spec, &path, &[dtype]).unwrap();
         let lm = LoadedModel::load(&path, &Device::Cpu).unwrap();
-        assert_eq!(lm.model.embeds_from_lm_head(), own_kernels, "{dtype:?}");
+        assert!(lm.model.embeds_from_lm_head(), "{dtype:?}");
 
         let mut file = std::fs::File::open(&path).unwrap();
         let ct = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();

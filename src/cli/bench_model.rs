@@ -55,7 +55,7 @@ pub struct BenchArgs {
     breakdown: bool,
 }
 
-pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     if args.batch.is_empty() || args.batch.contains(&0) {
         anyhow::bail!("--batch needs positive batch sizes, e.g. --batch 1,4,16");
     }
@@ -81,7 +81,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             }
         })
     };
-    let (model, name) = load(MatmulBackend::from_env())?;
+    let (model, name) = load(backend)?;
     let model = &model;
     let needed = args.prompt_len + args.decode_steps;
     if needed > model.config().context_length {
@@ -112,7 +112,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let device = model.describe_device();
     let kernels = match probe.device_rate {
         Some(_) => "cuda",
-        None => MatmulBackend::from_env().kernels(),
+        None => backend.kernels(),
     };
     if !args.json {
         // The middle step's bytes stand for the row's.

@@ -65,7 +65,7 @@ impl Measured {
     }
 }
 
-pub fn run(args: BenchRuntimeArgs) -> anyhow::Result<()> {
+pub fn run(args: BenchRuntimeArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     if args.concurrency.is_empty() || args.concurrency.contains(&0) || args.max_tokens == 0 {
         anyhow::bail!("--concurrency needs positive levels and --max-tokens must be positive");
     }
@@ -75,7 +75,7 @@ pub fn run(args: BenchRuntimeArgs) -> anyhow::Result<()> {
         .map(|m| m.parse().map_err(|e| anyhow::anyhow!("--modes: {e}")))
         .collect::<anyhow::Result<_>>()?;
     let config = Config::load(&args.config)?;
-    let target = super::parse_device(&args.device, MatmulBackend::from_env())?;
+    let target = super::parse_device(&args.device, backend)?;
     let models = load_models(&config, target)?;
     let names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
     let mut results = Vec::new();

@@ -15,6 +15,7 @@ mod tune;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use tokenrouter::kernels::qmatmul::Isa;
 use tokenrouter::model::{ComputeTarget, LoadedModel, MatmulBackend};
 
 #[derive(Parser)]
@@ -26,6 +27,88 @@ use tokenrouter::model::{ComputeTarget, LoadedModel, MatmulBackend};
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    kernels: KernelArgs,
+}
+
+/// How the CPU kernels run, for every command (set once, before any kernel starts).
+#[derive(clap::Args)]
+struct KernelArgs {
+    /// Cores the CPU kernels use [default: every core the process may run on].
+    #[arg(long, global = true, env = "TOKENROUTER_COMPUTE_THREADS",
+        value_parser = clap::value_parser!(u16).range(1..))]
+    compute_threads: Option<u16>,
+    /// The quantized kernels' instruction set instead of the fastest the CPU has: scalar,
+    /// avx2, avx-vnni, avx512-vnni or amx.
+    #[arg(long, global = true, env = "TOKENROUTER_ISA", value_parser = parse_isa)]
+    isa: Option<Isa>,
+    /// Whose quantized matmul kernels run on the CPU: ours, or candle's (as candle's own
+    /// `CANDLE_DEQUANTIZE_ALL` also asks).
+    #[arg(long, global = true, env = "TOKENROUTER_QMATMUL", value_enum,
+        default_value_t = MatmulBackend::Native)]
+    qmatmul: MatmulBackend,
+    /// Where compiled GPU kernels are kept between runs [default:
+    /// `$XDG_CACHE_HOME/tokenrouter/kernels`, else `~/.cache/tokenrouter/kernels`].
+    #[arg(long, global = true, env = "TOKENROUTER_KERNEL_CACHE")]
+    kernel_cache: Option<PathBuf>,
+}
+
+fn parse_isa(name: &str) -> Result<Isa, String> {
+    Isa::parse(name).map_err(|e| e.to_string())
+}
+
+impl KernelArgs {
+    /// The kernels for quantized matrices: candle's also when `CANDLE_DEQUANTIZE_ALL` asks
+    /// candle to dequantize everything, so a dequantized comparison dequantizes both sides.
+    fn backend(&self) -> MatmulBackend {
+        let dequantize_all =
+            std::env::var("CANDLE_DEQUANTIZE_ALL").is_ok_and(|v| !v.is_empty() && v != "0");
+        if dequantize_all {
+            MatmulBackend::Candle
+        } else {
+            self.qmatmul
+        }
+    }
+
+    /// Makes the choices the process's kernels run with.
+    fn apply(&self) -> anyhow::Result<()> {
+        if let Some(n) = self.compute_threads {
+            tokenrouter::kernels::parallel::limit_cores(n.into()).map_err(anyhow::Error::msg)?;
+        }
+        if let Some(isa) = self.isa {
+            isa.select()?;
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(dir) = self.kernel_cache.clone().or_else(default_kernel_cache) {
+            tokenrouter::kernels::cuda::set_cache_dir(dir);
+        }
+        Ok(())
+    }
+
+    /// The same choices as environment variables, for the processes this one starts.
+    fn env(&self) -> Vec<(&'static str, String)> {
+        let mut env = vec![(
+            "TOKENROUTER_QMATMUL",
+            format!("{:?}", self.qmatmul).to_lowercase(),
+        )];
+        if let Some(n) = self.compute_threads {
+            env.push(("TOKENROUTER_COMPUTE_THREADS", n.to_string()));
+        }
+        if let Some(isa) = self.isa {
+            env.push(("TOKENROUTER_ISA", isa.name().to_string()));
+        }
+        if let Some(dir) = &self.kernel_cache {
+            env.push(("TOKENROUTER_KERNEL_CACHE", dir.display().to_string()));
+        }
+        env
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn default_kernel_cache() -> Option<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let root = var("XDG_CACHE_HOME").or_else(|| var("HOME").map(|h| h.join(".cache")))?;
+    Some(root.join("tokenrouter/kernels"))
 }
 
 #[derive(Subcommand)]
@@ -53,23 +136,23 @@ impl Cli {
     /// Whether candle's kernels do heavy work in this command (candle's matmul backend, or a
     /// `bench-model` baseline run), so candle keeps its own compute threads.
     pub fn candle_computes(&self) -> bool {
-        MatmulBackend::from_env() == MatmulBackend::Candle
+        self.kernels.backend() == MatmulBackend::Candle
             || matches!(&self.command, Command::BenchModel(args) if args.baseline_candle)
     }
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
-    // A bad instruction-set override is a start-up error, not a warning deep in a kernel.
-    tokenrouter::kernels::qmatmul::Isa::from_env()?;
+    cli.kernels.apply()?;
+    let kernels = &cli.kernels;
     match cli.command {
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(args, kernels),
         Command::Gateway(args) => gateway::run(args),
-        Command::TrainRouter(args) => train_router::run(args),
-        Command::Tune(args) => tune::run(args),
+        Command::TrainRouter(args) => train_router::run(args, kernels.backend()),
+        Command::Tune(args) => tune::run(args, kernels.backend()),
         Command::Bench(args) => bench::run(args),
-        Command::Generate(args) => generate::run(args),
-        Command::BenchModel(args) => bench_model::run(args),
-        Command::BenchRuntime(args) => bench_runtime::run(args),
+        Command::Generate(args) => generate::run(args, kernels.backend()),
+        Command::BenchModel(args) => bench_model::run(args, kernels.backend()),
+        Command::BenchRuntime(args) => bench_runtime::run(args, kernels.backend()),
     }
 }
 
@@ -135,10 +218,6 @@ impl ModelArg {
     }
 
     /// Loads the model on the chosen device, naming the path in any error.
-    fn load(&self) -> anyhow::Result<LoadedModel> {
-        self.load_with(MatmulBackend::from_env())
-    }
-
     fn load_with(&self, backend: MatmulBackend) -> anyhow::Result<LoadedModel> {
         Ok(LoadedModel::load_on(&self.path()?, self.target(backend)?)?)
     }

@@ -71,7 +71,12 @@ impl ServeArgs {
     }
 
     /// Servers on the following ports, the gateway on ours; all stop together.
-    fn run_data_parallel(&self, host: &str, port: u16) -> anyhow::Result<()> {
+    fn run_data_parallel(
+        &self,
+        host: &str,
+        port: u16,
+        kernels: &super::KernelArgs,
+    ) -> anyhow::Result<()> {
         let first = port
             .checked_add(1)
             .filter(|p| p.checked_add(self.dp_size as u16).is_some());
@@ -83,7 +88,13 @@ impl ServeArgs {
         };
         let ready_within = Duration::from_secs(900);
         let (urls, servers) =
-            serve_dp::start(self.dp_size, first, &self.server_args(), ready_within)?;
+            serve_dp::start(
+            self.dp_size,
+            first,
+            &self.server_args(),
+            &kernels.env(),
+            ready_within,
+        )?;
         let settings = self.gateway.settings(host, port, urls)?;
         let result = tokenrouter::gateway::run(settings);
         drop(servers);
@@ -91,7 +102,7 @@ impl ServeArgs {
     }
 }
 
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub fn run(args: ServeArgs, kernels: &super::KernelArgs) -> anyhow::Result<()> {
     let mut config = Config::load(&args.config)?;
     if let Some(mode) = args.mode {
         config.scheduler.mode = mode;
@@ -102,7 +113,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let s = &config.server;
     if args.dp_size > 1 {
         let host = args.host.clone().unwrap_or_else(|| s.host.clone());
-        return args.run_data_parallel(&host, args.port.unwrap_or(s.port));
+        return args.run_data_parallel(&host, args.port.unwrap_or(s.port), kernels);
     }
     if args.dp_size == 0 {
         anyhow::bail!("--dp-size must be at least 1");
@@ -128,5 +139,5 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if !timeout.is_finite() || timeout < 0.0 {
         anyhow::bail!("--request-timeout must be a number of seconds >= 0");
     }
-    serve(config, settings)
+    serve(config, settings, kernels.backend())
 }

@@ -44,6 +44,7 @@ pub fn start(
     n: usize,
     first_port: u16,
     server_args: &[String],
+    env: &[(&str, String)],
     ready_within: Duration,
 ) -> anyhow::Result<(Vec<String>, Servers)> {
     let exe = std::env::current_exe()?;
@@ -64,6 +65,7 @@ pub fn start(
             .arg("serve")
             .args(server_args)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env_remove("TOKENROUTER_DP_SIZE");
         #[cfg(target_os = "linux")]
         {

@@ -125,7 +125,7 @@ fn chunks(
     out
 }
 
-pub fn run(args: TrainRouterArgs) -> anyhow::Result<()> {
+pub fn run(args: TrainRouterArgs, backend: tokenrouter::model::MatmulBackend) -> anyhow::Result<()> {
     let kinds: Vec<HeadKind> = args
         .kinds
         .iter()
@@ -144,7 +144,7 @@ pub fn run(args: TrainRouterArgs) -> anyhow::Result<()> {
     };
     let models = load_models(
         &config,
-        tokenrouter::model::ComputeTarget::Cpu(tokenrouter::model::MatmulBackend::from_env()),
+        tokenrouter::model::ComputeTarget::Cpu(backend),
     )?;
     let files = corpus_files(&args.corpus, &args.extension)?;
     let texts = chunks(

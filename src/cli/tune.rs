@@ -65,7 +65,7 @@ struct Profile {
     latency: Vec<Vec<f64>>,
 }
 
-pub fn run(args: TuneArgs) -> anyhow::Result<()> {
+pub fn run(args: TuneArgs, backend: tokenrouter::model::MatmulBackend) -> anyhow::Result<()> {
     let config = Config::load(&args.config)?;
     let (slm, llm) = match (config.role_index(Role::Slm), config.role_index(Role::Llm)) {
         (Some(s), Some(l)) if config.models.len() == 2 => (s, l),
@@ -80,7 +80,7 @@ pub fn run(args: TuneArgs) -> anyhow::Result<()> {
     }
     let models = load_models(
         &config,
-        tokenrouter::model::ComputeTarget::Cpu(tokenrouter::model::MatmulBackend::from_env()),
+        tokenrouter::model::ComputeTarget::Cpu(backend),
     )?;
     let profile = match &args.profile {
         Some(path) => serde_json::from_str(&std::fs::read_to_string(path)?)

@@ -416,14 +416,23 @@ pub fn with_pool<R>(pool: &Arc<ComputePool>, f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// The cores our kernels may use: `TOKENROUTER_THREADS` when set, else every core this
-/// process may run on.
+/// The cores our kernels may use, decided once per process: the limit [`limit_cores`] set,
+/// else every core this process may run on.
 pub fn available_cores() -> usize {
-    std::env::var("TOKENROUTER_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n: &usize| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+static CORES: OnceLock<usize> = OnceLock::new();
+
+/// Caps the cores our kernels use at `n` (at least 1): only before the first pool starts.
+pub fn limit_cores(n: usize) -> Result<(), String> {
+    let n = n.max(1);
+    match *CORES.get_or_init(|| n) {
+        set if set == n => Ok(()),
+        set => Err(format!(
+            "the kernels already run on {set} cores; limit them before they start"
+        )),
+    }
 }
 
 /// The pool of threads without one of their own: every core.

@@ -56,7 +56,7 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// Loads a GGUF file, or a Hugging Face directory with `config.json` and safetensors.
     pub fn load(path: &Path, device: &Device) -> Result<Self> {
-        Self::load_with(path, device, MatmulBackend::from_env())
+        Self::load_with(path, device, MatmulBackend::default())
     }
 
     /// Loads with an explicit choice of quantized-matmul kernels.

@@ -24,32 +24,21 @@ pub trait WeightSource {
     fn contains(&self, name: &str) -> bool;
     /// Which kernels quantized matrices use.
     fn backend(&self) -> MatmulBackend {
-        MatmulBackend::from_env()
+        MatmulBackend::Native
     }
 }
 
 /// Kernels for quantized matrices on the CPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum MatmulBackend {
     /// Ours (`kernels::qmatmul`) for Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K, candle's for the rest.
+    #[default]
     Native,
     /// candle's for every type: the in-run baseline of `bench-model`.
     Candle,
 }
 
 impl MatmulBackend {
-    /// `Candle` when `TOKENROUTER_QMATMUL=candle`, or when candle's `CANDLE_DEQUANTIZE_ALL`
-    /// asks for f32 matmuls everywhere (so a dequantized comparison dequantizes both sides).
-    pub fn from_env() -> Self {
-        let set = |key: &str| std::env::var(key).is_ok_and(|v| !v.is_empty() && v != "0");
-        let forced = std::env::var("TOKENROUTER_QMATMUL").is_ok_and(|v| v == "candle");
-        if forced || set("CANDLE_DEQUANTIZE_ALL") {
-            Self::Candle
-        } else {
-            Self::Native
-        }
-    }
-
     /// The quantized kernels that run: `candle`, or our instruction set's name.
     pub fn kernels(self) -> &'static str {
         match self {

@@ -116,11 +116,12 @@ pub async fn read_body(mut payload: web::Payload, limit: usize) -> Result<Bytes,
 }
 
 /// Loads the models, starts the actors, then serves HTTP until SIGINT/SIGTERM.
-pub fn serve(config: Config, settings: ServeSettings) -> anyhow::Result<()> {
-    let models = load_models(
-        &config,
-        crate::model::ComputeTarget::Cpu(crate::model::MatmulBackend::from_env()),
-    )?;
+pub fn serve(
+    config: Config,
+    settings: ServeSettings,
+    backend: crate::model::MatmulBackend,
+) -> anyhow::Result<()> {
+    let models = load_models(&config, crate::model::ComputeTarget::Cpu(backend))?;
     actix_web::rt::System::new().block_on(async move {
         let runtime = Runtime::start(&config, models)?;
         let names = config.models.iter().map(|m| m.name.clone()).collect();

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use candle_core::{Device, Tensor};
 use tokenrouter::model::runner::{logits_row, step, Sequence};
 use tokenrouter::model::sampler::argmax;
-use tokenrouter::model::{KvCache, KvDtype, LoadedModel, Model};
+use tokenrouter::model::{KvCache, KvDtype, LoadedModel, MatmulBackend, Model};
 
 /// Real quantized models: activations are re-quantized to 8 bits before every matmul, so two
 /// evaluations that differ only in float summation order land on different rounding of the
@@ -54,8 +54,17 @@ pub fn real_model(name: &str) -> PathBuf {
     path
 }
 
+/// The quantized kernels of our side of a comparison: candle's when every weight is
+/// dequantized (`CANDLE_DEQUANTIZE_ALL`, which only candle's kernels honour), else ours.
+pub fn matmul_backend() -> MatmulBackend {
+    match kv_dtype() {
+        KvDtype::F32 => MatmulBackend::Candle,
+        _ => MatmulBackend::Native,
+    }
+}
+
 pub fn load(path: &std::path::Path) -> LoadedModel {
-    LoadedModel::load(path, &Device::Cpu)
+    LoadedModel::load_with(path, &Device::Cpu, matmul_backend())
         .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
 }
 

@@ -296,8 +296,11 @@ fn start_devices(config: &Config, models: &[Arc<LoadedModel>]) -> Result<Devices
             .iter()
             .map(|&i| config.models[i].name.as_str())
             .collect();
-        let kernels = crate::model::MatmulBackend::from_env().kernels();
-        tracing::info!(device = %plan.spec, threads = plan.threads, models = ?names, kernels,
+        let kernels = plan
+            .models
+            .first()
+            .map(|&i| models[i].model.describe_device());
+        tracing::info!(device = %plan.spec, threads = plan.threads, models = ?names, ?kernels,
             "device");
         let settings: Vec<(usize, Duration)> = plan
             .models

@@ -6,7 +6,9 @@ use std::io::Write;
 
 use clap::Args;
 use tokenrouter::model::runner::{generate, GenerationRequest};
-use tokenrouter::model::{ChatMessage, IncrementalDecoder, KvDtype, LoadedModel, SamplingParams};
+use tokenrouter::model::{
+    ChatMessage, IncrementalDecoder, KvDtype, LoadedModel, MatmulBackend, SamplingParams,
+};
 
 mod routed;
 
@@ -48,13 +50,13 @@ pub struct GenerateArgs {
     kv_dtype: KvDtype,
 }
 
-pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+pub fn run(args: GenerateArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     let params = args.sampling_params();
     params.validate()?;
     if args.model.model.is_none() {
-        return routed::run(&args, params);
+        return routed::run(&args, params, backend);
     }
-    let lm = args.model.load()?;
+    let lm = args.model.load_with(backend)?;
     let prompt = if args.chat {
         lm.encode_chat(&args.messages())?
     } else {

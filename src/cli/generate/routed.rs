@@ -12,9 +12,13 @@ use super::GenerateArgs;
 const COLOURS: &[&str] = &["", "\x1b[1;35m", "\x1b[1;36m", "\x1b[1;33m"];
 const RESET: &str = "\x1b[0m";
 
-pub fn run(args: &GenerateArgs, params: SamplingParams) -> anyhow::Result<()> {
+pub fn run(
+    args: &GenerateArgs,
+    params: SamplingParams,
+    backend: MatmulBackend,
+) -> anyhow::Result<()> {
     let config = Config::load(&args.model.config)?;
-    let target = super::super::parse_device(&args.model.device, MatmulBackend::from_env())?;
+    let target = super::super::parse_device(&args.model.device, backend)?;
     let models = load_models(&config, target)?;
     let names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
     let prompt = if args.chat {

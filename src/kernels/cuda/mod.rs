@@ -119,18 +119,16 @@ fn c_chars_to_string(chars: &[c_char]) -> String {
     String::from_utf8_lossy(&bytes).trim().to_string()
 }
 
-/// Where compiled kernels are kept between runs: `$TOKENROUTER_CACHE/cuda`, else
-/// `$XDG_CACHE_HOME/tokenrouter/cuda`, else `~/.cache/tokenrouter/cuda`.
+static CACHE_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Keeps compiled kernels in `dir` between runs (without it, every start compiles them anew);
+/// only the first call counts.
+pub fn set_cache_dir(dir: PathBuf) {
+    let _ = CACHE_DIR.set(dir);
+}
+
 fn cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    let root = var("TOKENROUTER_CACHE")
-        .or_else(|| var("XDG_CACHE_HOME").map(|p| p.join("tokenrouter")))
-        .or_else(|| var("HOME").map(|p| p.join(".cache/tokenrouter")))?;
-    Some(root.join("cuda"))
+    CACHE_DIR.get().cloned()
 }
 
 /// [`compile_cubin`], read from the disk cache when this source was compiled before for this

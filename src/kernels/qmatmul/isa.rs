@@ -1,5 +1,5 @@
 //! The instruction sets the quantized kernels have a path for, which of them this CPU has, and
-//! the one in use (the fastest, or `TOKENROUTER_ISA`'s choice).
+//! the one in use (the fastest, or the one the program chose with [`Isa::select`]).
 
 /// The instruction sets the kernels have a path for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,17 +21,19 @@ pub enum Isa {
     Amx,
 }
 
-/// Environment variable that chooses the instruction set instead of the fastest one.
-pub const ISA_ENV: &str = "TOKENROUTER_ISA";
-
-/// A `TOKENROUTER_ISA` value the kernels cannot use.
+/// An instruction-set name the kernels cannot use.
 #[derive(Debug, thiserror::Error)]
 pub enum IsaError {
-    #[error("{ISA_ENV}={value:?} is not one of scalar, avx2, avx-vnni, avx512-vnni, amx")]
+    #[error("'{value}' is not one of scalar, avx2, avx-vnni, avx512-vnni, amx")]
     Unknown { value: String },
-    #[error("{ISA_ENV}={value:?}: this CPU lacks it (it has {available})")]
+    #[error("'{value}': this CPU lacks it (it has {available})")]
     Unavailable { value: String, available: String },
+    #[error("the kernels already run with {in_use}; choose the instruction set before they start")]
+    AlreadyInUse { in_use: &'static str },
 }
+
+/// The instruction set the kernels use, decided once per process.
+static IN_USE: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
 
 impl Isa {
     /// Every instruction set, slowest first.
@@ -43,7 +45,7 @@ impl Isa {
         Self::Amx,
     ];
 
-    /// The name `TOKENROUTER_ISA` takes.
+    /// Its name, as [`Isa::parse`] takes it.
     pub fn name(self) -> &'static str {
         match self {
             Self::Scalar => "scalar",
@@ -54,33 +56,25 @@ impl Isa {
         }
     }
 
-    /// The one the kernels use: `TOKENROUTER_ISA`'s choice when set and valid (else a
-    /// warning), or the fastest this CPU supports (decided once).
+    /// The one the kernels use: the one [`Isa::select`] chose, else the fastest this CPU
+    /// supports (decided at the first call).
     pub fn best() -> Self {
-        static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-        *BEST.get_or_init(|| {
-            let fastest = Self::ALL
-                .into_iter()
-                .rev()
-                .find(|isa| isa.is_available())
-                .unwrap_or(Self::Scalar);
-            match Self::from_env() {
-                Ok(chosen) => chosen.unwrap_or(fastest),
-                Err(e) => {
-                    tracing::warn!("{e}; using {}", fastest.name());
-                    fastest
-                }
-            }
-        })
+        *IN_USE.get_or_init(Self::fastest)
     }
 
-    /// The instruction set `TOKENROUTER_ISA` names, if it is set; an error names a value that
-    /// is unknown or that this CPU lacks.
-    pub fn from_env() -> Result<Option<Self>, IsaError> {
-        let Ok(value) = std::env::var(ISA_ENV) else {
-            return Ok(None);
-        };
-        let Some(isa) = Self::ALL.into_iter().find(|isa| isa.name() == value.trim()) else {
+    /// The fastest this CPU supports.
+    pub fn fastest() -> Self {
+        Self::ALL
+            .into_iter()
+            .rev()
+            .find(|isa| isa.is_available())
+            .unwrap_or(Self::Scalar)
+    }
+
+    /// The instruction set `name` names, if this CPU has it.
+    pub fn parse(name: &str) -> Result<Self, IsaError> {
+        let value = name.trim().to_string();
+        let Some(isa) = Self::ALL.into_iter().find(|isa| isa.name() == value) else {
             return Err(IsaError::Unknown { value });
         };
         if !isa.is_available() {
@@ -93,7 +87,19 @@ impl Isa {
                 available: here.join(", "),
             });
         }
-        Ok(Some(isa))
+        Ok(isa)
+    }
+
+    /// Makes this the instruction set every kernel of the process uses, instead of the
+    /// fastest: only before the first kernel runs, and only one this CPU has.
+    pub fn select(self) -> Result<(), IsaError> {
+        let isa = Self::parse(self.name())?;
+        match *IN_USE.get_or_init(|| isa) {
+            in_use if in_use == isa => Ok(()),
+            in_use => Err(IsaError::AlreadyInUse {
+                in_use: in_use.name(),
+            }),
+        }
     }
 
     /// Every one this CPU supports.

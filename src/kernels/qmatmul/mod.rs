@@ -40,7 +40,7 @@ mod x8;
 use acts::quantize_rows;
 pub use acts::{quantize_i8, quantize_i8_scalar, quantize_row, ActBlock, ActFormat};
 pub use blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, SimpleBlock};
-pub use isa::{Isa, IsaError, ISA_ENV};
+pub use isa::{Isa, IsaError};
 pub use kquants::{ActBlockK, BlockQ4K, BlockQ6K, QK_K};
 pub use x8::{
     BlockQ4Kx8, BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ6Kx8, BlockQ8_0x8, GatedPacked,
