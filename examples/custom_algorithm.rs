@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use tokenrouter::actors::{load_models, GenerateRequest, Prompt, RequestEvent, Runtime};
+use tokenrouter::actors::{load_models, GenerateRequest, Prompt, Runtime};
 use tokenrouter::config::Config;
 use tokenrouter::model::SamplingParams;
 use tokenrouter::routing::{
@@ -75,21 +75,13 @@ fn main() -> anyhow::Result<()> {
         &config,
         tokenrouter::model::ComputeTarget::Cpu(Default::default()),
     )?;
-    actix::System::new().block_on(async move {
-        let runtime = Runtime::start_with_router(&config, models, router)?;
-        let request = GenerateRequest::new(Prompt::Text(prompt), SamplingParams::greedy(), 48);
-        let mut handle = runtime.submit(request);
-        while let Some(event) = handle.events.recv().await {
-            match event {
-                RequestEvent::Text { text, .. } => print!("{text}"),
-                RequestEvent::Finished(s) => {
-                    println!("\n[tokens per model: {:?}]", s.tokens_per_model)
-                }
-                RequestEvent::Failed(e) => anyhow::bail!("{e}"),
-                _ => {}
-            }
-        }
-        runtime.stop();
-        anyhow::Ok(())
-    })
+    let request = GenerateRequest::new(Prompt::Text(prompt), SamplingParams::greedy(), 48);
+    let summary = Runtime::run_with_router(&config, models, router, async |runtime| {
+        let handle = runtime.submit(request);
+        handle.finish(|text, _| print!("{text}")).await
+    })??;
+    if let Some(s) = summary {
+        println!("\n[tokens per model: {:?}]", s.tokens_per_model);
+    }
+    Ok(())
 }

@@ -316,7 +316,32 @@ impl Config {
         Ok(config)
     }
 
-    fn validate(&self) -> Result<(), String> {
+    /// One model served alone (`routing.algorithm = "single"`, fixed thresholds), every
+    /// other setting at its default: what `generate --model` runs.
+    pub fn alone(name: &str, path: PathBuf) -> Self {
+        Self {
+            models: vec![ModelEntry {
+                name: name.into(),
+                path,
+                role: None,
+                batch_threshold: default_batch_threshold(),
+                threads: None,
+                device: DeviceSpec::default(),
+            }],
+            kv_cache: KvCacheSettings::default(),
+            memory: MemorySettings::default(),
+            routing: RoutingConfig::Single { model: None },
+            scheduler: SchedulerSettings {
+                thresholds: ThresholdSource::Fixed,
+                ..SchedulerSettings::default()
+            },
+            server: ServerSettings::default(),
+            compute: ComputeSettings::default(),
+        }
+    }
+
+    /// Checks the settings together; the error says what to fix.
+    pub fn validate(&self) -> Result<(), String> {
         if self.models.is_empty() {
             return Err(
                 "[[models]] is empty: add at least one model with a name and a path".into(),

@@ -350,7 +350,7 @@ fn prompt_longer_than_the_context_is_a_clear_error() {
     let model = tiny(dir.path());
     let prompt = "zq ".repeat(400); // the tiny model's context is 256 positions
     let out = generate(&model, &prompt, &[]);
-    assert_fails_with(&out, "context length is 256");
+    assert_fails_with(&out, "do not fit the context of 256 tokens");
 }
 
 #[test]

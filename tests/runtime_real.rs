@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use common::oracle::{routed_greedy, OracleToken, Rule};
 use common::*;
-use tokenrouter::actors::{GenerateRequest, Prompt, RequestEvent, Runtime};
+use tokenrouter::actors::{GenerateRequest, Prompt, Runtime};
 use tokenrouter::config::Config;
 use tokenrouter::model::SamplingParams;
 
@@ -39,32 +39,29 @@ fn rstitch_on_the_real_pair_equals_the_full_recompute_oracle_for_64_tokens() {
         max_tokens,
         &[],
     );
-    let got = actix::System::new().block_on(async {
-        let runtime = Runtime::start(&config, vec![slm.clone(), llm.clone()]).unwrap();
-        let mut request = GenerateRequest::new(
-            Prompt::Tokens(prompt.clone()),
-            SamplingParams::greedy(),
-            max_tokens,
-        );
-        request.ignore_eos = true;
-        let mut handle = runtime.submit(request);
-        let mut tokens = Vec::new();
-        while let Some(event) = handle.events.recv().await {
-            if let RequestEvent::Text { tokens: t, .. } = event {
-                tokens.extend(
-                    t.into_iter()
-                        .map(|(token, model)| OracleToken { token, model }),
-                );
-            }
-        }
+    let mut request = GenerateRequest::new(
+        Prompt::Tokens(prompt.clone()),
+        SamplingParams::greedy(),
+        max_tokens,
+    );
+    request.ignore_eos = true;
+    let mut got = Vec::new();
+    Runtime::run(&config, vec![slm.clone(), llm.clone()], async |runtime| {
+        let summary = runtime.submit(request).finish(|_, tokens| {
+            got.extend(
+                tokens
+                    .iter()
+                    .map(|&(token, model)| OracleToken { token, model }),
+            )
+        });
+        summary.await.unwrap().unwrap();
         let stats = runtime.stats().await;
         assert!(
             stats.iter().all(|s| s.free_blocks == s.total_blocks),
             "{stats:?}"
         );
-        runtime.stop();
-        tokens
-    });
+    })
+    .unwrap();
     let per_model = |m| got.iter().filter(|t| t.model == m).count();
     assert!(
         per_model(0) > 0 && per_model(1) > 0,

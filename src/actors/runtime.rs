@@ -11,11 +11,13 @@ use actix::{Actor, Addr, Arbiter};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::model_actor::{GetStats, ModelActor, Wire};
-use super::request::{Cancel, GenerateRequest, Prompt, RequestActor, RequestError, RequestEvent};
+use super::request::{
+    Cancel, GenerateRequest, Prompt, RequestActor, RequestError, RequestEvent, Summary,
+};
 use super::worker::{ModelWorker, Stepping, WorkerSetup, WorkerStats};
 use crate::config::{Config, SchedulingMode};
 use crate::model::{KvCache, LoadedModel, ModelError};
-use crate::routing::{RoutingAlgorithm, RoutingError};
+use crate::routing::{ModelIndex, RoutingAlgorithm, RoutingError};
 use crate::scheduler::{
     DelayedBatching, LaunchPolicy, PublishedPrefixes, RequestId, SchedulerLimits,
 };
@@ -188,6 +190,28 @@ pub struct RequestHandle {
 impl RequestHandle {
     pub fn cancel(&self) {
         self.actor.do_send(Cancel);
+    }
+
+    /// Reads the request's events to its end, handing each piece of text and its tokens (with
+    /// the model that made each) to `on_text`. Returns the summary, `None` when the request
+    /// was cancelled, or the error that ended it.
+    pub async fn finish(
+        mut self,
+        mut on_text: impl FnMut(&str, &[(u32, ModelIndex)]),
+    ) -> Result<Option<Summary>, RequestError> {
+        while let Some(event) = self.events.recv().await {
+            match event {
+                RequestEvent::Text { text, tokens } => on_text(&text, &tokens),
+                RequestEvent::Finished(summary) => return Ok(Some(summary)),
+                RequestEvent::Failed(e) => return Err(e),
+                RequestEvent::Cancelled => return Ok(None),
+                RequestEvent::Admitted { .. } | RequestEvent::Moved { .. } => {}
+            }
+        }
+        Err(RequestError {
+            kind: super::request::ErrorKind::Internal,
+            message: "the request ended without a terminal event".into(),
+        })
     }
 }
 

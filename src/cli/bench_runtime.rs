@@ -10,7 +10,7 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use tokenrouter::actors::{load_models, GenerateRequest, Prompt, RequestEvent, Runtime, Summary};
+use tokenrouter::actors::{load_models, GenerateRequest, Prompt, Runtime, Summary};
 use tokenrouter::config::{Config, SchedulingMode};
 use tokenrouter::model::{ChatMessage, MatmulBackend, SamplingParams};
 
@@ -79,25 +79,23 @@ pub fn run(args: BenchRuntimeArgs, backend: MatmulBackend) -> anyhow::Result<()>
     let models = load_models(&config, target)?;
     let names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
     let mut results = Vec::new();
-    actix::System::new().block_on(async {
-        for (mode_name, mode) in args.modes.iter().zip(modes) {
-            let mut config = config.clone();
-            config.scheduler.mode = mode;
-            let runtime = Runtime::start(&config, models.clone())?;
+    for (mode_name, mode) in args.modes.iter().zip(modes) {
+        let mut config = config.clone();
+        config.scheduler.mode = mode;
+        Runtime::run(&config, models.clone(), async |runtime| {
             // One short request first, so page faults and lazy set-up are not timed.
-            run_level(&runtime, 1, 1, 4).await?;
+            run_level(runtime, 1, 1, 4).await?;
             for &c in &args.concurrency {
                 let n = args.requests.unwrap_or(c).max(c);
                 let started = Instant::now();
-                let summaries = run_level(&runtime, c, n, args.max_tokens).await?;
+                let summaries = run_level(runtime, c, n, args.max_tokens).await?;
                 let m = measure(mode_name, c, &summaries, started.elapsed(), names.len());
                 report_progress(&m, &names);
                 results.push(m);
             }
-            runtime.stop();
-        }
-        anyhow::Ok(())
-    })?;
+            anyhow::Ok(())
+        })??;
+    }
     print_results(&results, &names, args.json);
     Ok(())
 }
@@ -118,14 +116,11 @@ pub(super) async fn run_level(
                 while next.get() < n {
                     let i = next.get();
                     next.set(i + 1);
-                    let mut handle = shared.submit(request(i, max_tokens));
-                    while let Some(event) = handle.events.recv().await {
-                        match event {
-                            RequestEvent::Finished(s) => done.push(s),
-                            RequestEvent::Failed(e) => anyhow::bail!("request {i} failed: {e}"),
-                            RequestEvent::Cancelled => anyhow::bail!("request {i} was cancelled"),
-                            _ => {}
-                        }
+                    let handle = shared.submit(request(i, max_tokens));
+                    match handle.finish(|_, _| {}).await {
+                        Ok(Some(s)) => done.push(s),
+                        Ok(None) => anyhow::bail!("request {i} was cancelled"),
+                        Err(e) => anyhow::bail!("request {i} failed: {e}"),
                     }
                 }
                 Ok(done)

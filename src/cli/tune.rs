@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use clap::Args;
 use serde::{Deserialize, Serialize};
-use tokenrouter::actors::{load_models, GenerateRequest, Prompt, RequestEvent, Runtime};
+use tokenrouter::actors::{load_models, GenerateRequest, Prompt, Runtime};
 use tokenrouter::config::{Config, CoreSplit, Role, SchedulingMode, ThresholdSource};
 use tokenrouter::model::{ChatMessage, LoadedModel, SamplingParams};
 use tokenrouter::tuning::{optimize, Candidate, ChainInputs};
@@ -163,36 +163,33 @@ fn validate(
     max_tokens: usize,
 ) -> anyhow::Result<Vec<Validated>> {
     let mut points = Vec::new();
-    actix::System::new().block_on(async {
-        for (n, vectors) in candidates {
-            for (thresholds, predicted) in vectors {
-                let mut config = config.clone();
-                config.scheduler.mode = SchedulingMode::Delayed;
-                config.scheduler.thresholds = ThresholdSource::Fixed;
-                for (model, &b) in config.models.iter_mut().zip(thresholds) {
-                    model.batch_threshold = b;
-                }
-                let runtime = Runtime::start(&config, models.to_vec())?;
-                // One short request first, so lazy set-up is not timed.
-                run_level(&runtime, 1, 1, 4).await?;
-                let started = Instant::now();
-                let done = run_level(&runtime, *n, 2 * n, max_tokens).await?;
-                let tokens: usize = done.iter().map(|s| s.completion_tokens).sum();
-                let measured = tokens as f64 / started.elapsed().as_secs_f64();
-                runtime.stop();
-                eprintln!(
-                    "N = {n}, B = {thresholds:?}: predicted {predicted:.2} tok/s, measured {measured:.2} tok/s"
-                );
-                points.push(Validated {
-                    n: *n,
-                    thresholds: thresholds.clone(),
-                    predicted: *predicted,
-                    measured,
-                });
+    for (n, vectors) in candidates {
+        for (thresholds, predicted) in vectors {
+            let mut config = config.clone();
+            config.scheduler.mode = SchedulingMode::Delayed;
+            config.scheduler.thresholds = ThresholdSource::Fixed;
+            for (model, &b) in config.models.iter_mut().zip(thresholds) {
+                model.batch_threshold = b;
             }
+            let measured = Runtime::run(&config, models.to_vec(), async |runtime| {
+                // One short request first, so lazy set-up is not timed.
+                run_level(runtime, 1, 1, 4).await?;
+                let started = Instant::now();
+                let done = run_level(runtime, *n, 2 * n, max_tokens).await?;
+                let tokens: usize = done.iter().map(|s| s.completion_tokens).sum();
+                anyhow::Ok(tokens as f64 / started.elapsed().as_secs_f64())
+            })??;
+            eprintln!(
+                "N = {n}, B = {thresholds:?}: predicted {predicted:.2} tok/s, measured {measured:.2} tok/s"
+            );
+            points.push(Validated {
+                n: *n,
+                thresholds: thresholds.clone(),
+                predicted: *predicted,
+                measured,
+            });
         }
-        anyhow::Ok(())
-    })?;
+    }
     for (n, _) in candidates {
         let at_n: Vec<&Validated> = points.iter().filter(|p| p.n == *n).collect();
         let best_by = |key: fn(&Validated) -> f64| {
@@ -307,8 +304,7 @@ fn measure_routing(
 ) -> anyhow::Result<(f64, f64)> {
     let mut config = config.clone();
     config.scheduler.mode = SchedulingMode::Eager;
-    actix::System::new().block_on(async move {
-        let runtime = Runtime::start(&config, models)?;
+    let stats = Runtime::run(&config, models, async |runtime| {
         let prompts = [
             "Write a Python function that merges two sorted lists.",
             "Explain recursion with an example in C.",
@@ -320,19 +316,15 @@ fn measure_routing(
                 48,
             );
             request.ignore_eos = true;
-            let mut handle = runtime.submit(request);
-            while let Some(event) = handle.events.recv().await {
-                if let RequestEvent::Failed(e) = event {
-                    anyhow::bail!("measuring routing: {e}");
-                }
+            if let Err(e) = runtime.submit(request).finish(|_, _| {}).await {
+                anyhow::bail!("measuring routing: {e}");
             }
         }
-        let stats = runtime.stats().await;
-        runtime.stop();
-        let (s, l) = (&stats[slm], &stats[llm]);
-        // SLM moves drop the sampled token, so its samples are commits plus moves.
-        let up = s.handoffs_out as f64 / (s.tokens_committed + s.handoffs_out).max(1) as f64;
-        let down = l.handoffs_out as f64 / l.tokens_committed.max(1) as f64;
-        Ok((up, down))
-    })
+        Ok(runtime.stats().await)
+    })??;
+    let (s, l) = (&stats[slm], &stats[llm]);
+    // SLM moves drop the sampled token, so its samples are commits plus moves.
+    let up = s.handoffs_out as f64 / (s.tokens_committed + s.handoffs_out).max(1) as f64;
+    let down = l.handoffs_out as f64 / l.tokens_committed.max(1) as f64;
+    Ok((up, down))
 }

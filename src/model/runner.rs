@@ -1,15 +1,12 @@
-//! Driving the decoder: per-sequence state ([`Sequence`]), one batched step over many sequences
-//! ([`step`]), and a plain generation loop for one sequence ([`generate`]) used by the CLI.
-//! Actors will own sequences and call [`step`] with the batch their scheduler picked.
-
-use std::time::{Duration, Instant};
+//! Driving the decoder outside the actor runtime: per-sequence state ([`Sequence`]) and one
+//! batched step over many sequences ([`step`]), for profiling, scoring and tests; how a
+//! request ends ([`FinishReason`]).
 
 use candle_core::{DType, Storage, Tensor};
 
 use super::decoder::{ForwardOutput, Model, SeqInput};
 use super::error::{ModelError, Result};
 use super::kv_cache::{BlockTable, KvCache, KvDtype};
-use super::sampler::{Sampler, SamplingParams};
 
 /// A sequence's tokens, how many of them the KV cache already holds, and its blocks.
 #[derive(Debug, Clone)]
@@ -122,105 +119,18 @@ pub enum FinishReason {
     Length,
 }
 
-#[derive(Debug, Clone)]
-pub struct GenerationStats {
-    pub prompt_tokens: usize,
-    pub generated_tokens: usize,
-    pub prefill_time: Duration,
-    pub decode_time: Duration,
-    pub finish: FinishReason,
-}
-
-impl GenerationStats {
-    pub fn prefill_tok_s(&self) -> f64 {
-        self.prompt_tokens as f64 / self.prefill_time.as_secs_f64().max(1e-9)
-    }
-
-    /// Tokens sampled after the first one, per second of decoding.
-    pub fn decode_tok_s(&self) -> f64 {
-        self.generated_tokens.saturating_sub(1) as f64 / self.decode_time.as_secs_f64().max(1e-9)
-    }
-}
-
-/// What one generation asks for.
-pub struct GenerationRequest<'a> {
-    pub prompt: Vec<u32>,
-    pub params: SamplingParams,
-    pub max_tokens: usize,
-    pub stop_ids: &'a [u32],
-}
-
-/// Generates for one sequence, calling `on_token` with each token as it is sampled. The
-/// sequence's blocks are returned to `kv` at the end, also on error.
-pub fn generate(
-    model: &Model,
-    kv: &mut KvCache,
-    req: GenerationRequest,
-    mut on_token: impl FnMut(u32) -> Result<()>,
-) -> Result<(Vec<u32>, GenerationStats)> {
-    let limit = model.config().context_length;
-    if req.prompt.is_empty() {
-        return Err(ModelError::InvalidBatch("the prompt is empty".into()));
-    }
-    if req.prompt.len() >= limit {
-        return Err(ModelError::ContextOverflow {
-            needed: req.prompt.len() + 1,
-            limit,
-        });
-    }
-    let mut sampler = Sampler::new(req.params)?;
-    let max_tokens = req.max_tokens.min(limit - req.prompt.len());
-    let mut seq = Sequence::new(req.prompt);
-    let result = run_generation(
-        model,
-        kv,
-        &mut seq,
-        &mut sampler,
-        max_tokens,
-        req.stop_ids,
-        &mut on_token,
-    );
-    seq.release(kv);
-    let stats = result?;
-    Ok((seq.output().to_vec(), stats))
-}
-
-fn run_generation(
-    model: &Model,
-    kv: &mut KvCache,
-    seq: &mut Sequence,
-    sampler: &mut Sampler,
-    max_tokens: usize,
-    stop_ids: &[u32],
-    on_token: &mut impl FnMut(u32) -> Result<()>,
-) -> Result<GenerationStats> {
-    let mut stats = GenerationStats {
-        prompt_tokens: seq.prompt_len,
-        generated_tokens: 0,
-        prefill_time: Duration::ZERO,
-        decode_time: Duration::ZERO,
-        finish: FinishReason::Length,
-    };
-    while stats.generated_tokens < max_tokens {
-        let started = Instant::now();
-        let out = step(model, kv, &mut [&mut *seq], false)?;
-        let token = with_f32_values(&out.logits, |logits| {
-            sampler.sample(logits, seq.prompt(), seq.output())
-        })?;
-        if stats.generated_tokens == 0 {
-            stats.prefill_time = started.elapsed();
-        } else {
-            stats.decode_time += started.elapsed();
-        }
-        seq.tokens.push(token);
-        stats.generated_tokens += 1;
-        on_token(token)?;
+impl FinishReason {
+    /// Why a request ends with `token`, its `generated`-th output token, or `None` when it
+    /// goes on: the stop rule of every model and of the request itself.
+    pub fn after(token: u32, generated: usize, stop_ids: &[u32], max_tokens: usize) -> Option<Self> {
         if stop_ids.contains(&token) {
-            stats.finish = FinishReason::Stop;
-            break;
+            Some(Self::Stop)
+        } else if generated >= max_tokens {
+            Some(Self::Length)
+        } else {
+            None
         }
     }
-    Ok(stats)
 }
 
 #[cfg(test)]

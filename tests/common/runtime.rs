@@ -85,9 +85,8 @@ pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
 
 /// Runs `body` inside an actix system with a runtime over `pair`'s models.
 pub fn with_runtime<T>(config: &Config, pair: &Pair, body: impl AsyncFnOnce(&Runtime) -> T) -> T {
-    actix::System::new().block_on(async {
-        let runtime = Runtime::start(config, pair.models.clone()).unwrap();
-        let out = body(&runtime).await;
+    Runtime::run(config, pair.models.clone(), async |runtime| {
+        let out = body(runtime).await;
         let stats = runtime.stats().await;
         for s in &stats {
             assert_eq!(
@@ -97,7 +96,7 @@ pub fn with_runtime<T>(config: &Config, pair: &Pair, body: impl AsyncFnOnce(&Run
             );
             assert_eq!(s.requests, 0, "{} still holds requests: {s:?}", s.name);
         }
-        runtime.stop();
         out
     })
+    .unwrap()
 }

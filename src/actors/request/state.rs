@@ -71,13 +71,12 @@ impl RequestState {
             summary.stop = Some(stop);
             return (RequestEvent::Text { text, tokens }, Some(summary));
         }
-        let reason = if self.stop_ids.contains(&token) {
-            Some(FinishReason::Stop)
-        } else if self.completion_tokens >= self.max_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
+        let reason = FinishReason::after(
+            token,
+            self.completion_tokens,
+            &self.stop_ids,
+            self.max_tokens,
+        );
         if let Some(reason) = reason {
             let (text, summary) = self.finish(reason, now);
             let text = match text {

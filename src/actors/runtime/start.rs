@@ -34,6 +34,40 @@ pub fn load_models(
 }
 
 impl Runtime {
+    /// Drives requests in this process: starts the runtime (as [`Runtime::start`]) in an
+    /// actix system of its own on this thread, runs `body` with it, stops it, and returns
+    /// what `body` returned. What `generate`, the benchmarks, the examples and the tests use.
+    pub fn run<T>(
+        config: &Config,
+        models: Vec<Arc<LoadedModel>>,
+        body: impl AsyncFnOnce(&Runtime) -> T,
+    ) -> Result<T, RuntimeError> {
+        Self::drive(|| Self::start(config, models), body)
+    }
+
+    /// [`Runtime::run`] with an algorithm of the caller's own (as
+    /// [`Runtime::start_with_router`]).
+    pub fn run_with_router<T>(
+        config: &Config,
+        models: Vec<Arc<LoadedModel>>,
+        router: Arc<dyn RoutingAlgorithm>,
+        body: impl AsyncFnOnce(&Runtime) -> T,
+    ) -> Result<T, RuntimeError> {
+        Self::drive(|| Self::start_with_router(config, models, router), body)
+    }
+
+    fn drive<T>(
+        start: impl FnOnce() -> Result<Runtime, RuntimeError>,
+        body: impl AsyncFnOnce(&Runtime) -> T,
+    ) -> Result<T, RuntimeError> {
+        actix::System::new().block_on(async move {
+            let runtime = start()?;
+            let out = body(&runtime).await;
+            runtime.stop();
+            Ok(out)
+        })
+    }
+
     /// Starts one model actor per entry of `models` (in `config.models` order), routing with
     /// the algorithm `config.routing` names.
     pub fn start(config: &Config, models: Vec<Arc<LoadedModel>>) -> Result<Self, RuntimeError> {

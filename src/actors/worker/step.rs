@@ -265,12 +265,11 @@ impl ModelWorker {
             self.end(id);
             return false;
         }
-        let reason = if meta.stop_ids.contains(&token) {
-            FinishReason::Stop
-        } else if generated >= meta.max_tokens || local.tokens.len() >= self.max_len {
-            FinishReason::Length
-        } else {
-            return true;
+        let full = local.tokens.len() >= self.max_len;
+        let reason = match FinishReason::after(token, generated, &meta.stop_ids, meta.max_tokens) {
+            Some(reason) => reason,
+            None if full => FinishReason::Length,
+            None => return true,
         };
         meta.sink.send(TokenEvent::Finished { reason });
         self.end(id);
