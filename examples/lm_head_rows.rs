@@ -12,7 +12,8 @@ use std::time::Instant;
 use candle_core::Device;
 use tokenrouter::model::profile::warm_up;
 use tokenrouter::model::timing::{set_breakdown, take_breakdown};
-use tokenrouter::model::{BlockTable, KvDtype, LoadedModel, SeqInput};
+use tokenrouter::model::{KvDtype, LoadedModel, SeqInput};
+use tokenrouter::scheduler::{BlockPool, Blocks};
 
 const ROUNDS: usize = 5;
 const DECODES: usize = 8;
@@ -38,6 +39,7 @@ fn main() -> anyhow::Result<()> {
     warm_up(model)?;
     set_breakdown(true);
     let mut kv = model.kv_cache_for(16, 4096, KvDtype::default())?;
+    let pool = BlockPool::new(kv.num_blocks());
     println!(
         "{path} (vocab {}, LM head {:.0} MB)",
         model.config().vocab_size,
@@ -47,10 +49,10 @@ fn main() -> anyhow::Result<()> {
     for &chunk in &chunks {
         for decodes in [0, DECODES] {
             let tokens: Vec<u32> = (0..chunk as u32).map(|t| 100 + t).collect();
-            let mut tables = vec![BlockTable::default(); decodes + 1];
-            kv.reserve(&mut tables[0], 2 * chunk)?;
+            let mut tables: Vec<Blocks> = (0..=decodes).map(|_| Blocks::default()).collect();
+            pool.grow(&mut tables[0], (2 * chunk).div_ceil(16))?;
             for table in &mut tables[1..] {
-                kv.reserve(table, CONTEXT + 1)?;
+                pool.grow(table, (CONTEXT + 1).div_ceil(16))?;
             }
             // (step ms, LM head ms) per round, with the chunk's logits and without.
             let mut times = [Vec::new(), Vec::new()];
@@ -61,13 +63,13 @@ fn main() -> anyhow::Result<()> {
                     let mut batch = vec![SeqInput {
                         tokens: &tokens,
                         start_pos: 0,
-                        blocks: tables[0].blocks(),
+                        blocks: tables[0].ids(),
                         logits: with,
                     }];
                     batch.extend(tables[1..].iter().map(|t| SeqInput {
                         tokens: &tokens[..1],
                         start_pos: CONTEXT,
-                        blocks: t.blocks(),
+                        blocks: t.ids(),
                         logits: true,
                     }));
                     take_breakdown();
@@ -87,9 +89,6 @@ fn main() -> anyhow::Result<()> {
                     median(steps),
                     median(heads)
                 );
-            }
-            for mut table in tables {
-                kv.release(&mut table);
             }
         }
     }

@@ -9,8 +9,9 @@ use candle_core::DType;
 use tokenrouter::model::sampler::argmax;
 use tokenrouter::model::tiny::{write_gguf, write_hf_dir, TinySpec};
 use tokenrouter::model::{
-    Architecture, BlockTable, ComputeTarget, KvDtype, LoadedModel, MatmulBackend, Model, SeqInput,
+    Architecture, ComputeTarget, KvDtype, LoadedModel, MatmulBackend, Model, SeqInput,
 };
+use tokenrouter::scheduler::{BlockPool, Blocks};
 
 /// Logits agree within this fraction of the CPU's largest logit magnitude. The CPU multiplies
 /// quantized weights by activations quantized to 8 bits, the GPU by `f32` activations
@@ -26,9 +27,10 @@ type Steps = Vec<Vec<Vec<f32>>>;
 fn run(model: &Model, prompts: &[Vec<u32>], feed: Option<&[Vec<u32>]>) -> (Steps, Vec<Vec<u32>>) {
     let capacity = prompts.len() * 128;
     let mut kv = model.kv_cache_for(16, capacity, KvDtype::F16).unwrap();
-    let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::default()).collect();
+    let pool = BlockPool::new(kv.num_blocks());
+    let mut tables: Vec<Blocks> = prompts.iter().map(|_| Blocks::default()).collect();
     for (table, p) in tables.iter_mut().zip(prompts) {
-        kv.reserve(table, p.len() + DECODE_STEPS).unwrap();
+        pool.grow(table, (p.len() + DECODE_STEPS).div_ceil(16)).unwrap();
     }
     let mut steps = Vec::new();
     let mut tokens: Vec<Vec<u32>> = prompts.iter().map(|_| Vec::new()).collect();
@@ -40,13 +42,13 @@ fn run(model: &Model, prompts: &[Vec<u32>], feed: Option<&[Vec<u32>]>) -> (Steps
                 0 => SeqInput {
                     tokens: p,
                     start_pos: 0,
-                    blocks: tables[s].blocks(),
+                    blocks: tables[s].ids(),
                     logits: true,
                 },
                 _ => SeqInput {
                     tokens: std::slice::from_ref(&tokens[s][step - 1]),
                     start_pos: p.len() + step - 1,
-                    blocks: tables[s].blocks(),
+                    blocks: tables[s].ids(),
                     logits: true,
                 },
             })
@@ -160,12 +162,12 @@ fn a_cpu_cache_is_refused_by_a_gpu_model() {
     let mut kv =
         tokenrouter::model::KvCache::with_capacity(gpu.model.config(), 16, 64, KvDtype::F16)
             .unwrap();
-    let mut table = BlockTable::default();
-    kv.reserve(&mut table, 2).unwrap();
+    let mut table = Blocks::default();
+    BlockPool::new(kv.num_blocks()).grow(&mut table, 1).unwrap();
     let input = SeqInput {
         tokens: &[1, 2],
         start_pos: 0,
-        blocks: table.blocks(),
+        blocks: table.ids(),
         logits: true,
     };
     let Err(err) = gpu.model.forward(&[input], &mut kv, false) else {

@@ -224,7 +224,8 @@ fn hf_directory_and_gguf_of_the_same_weights_agree() {
 #[test]
 fn only_sequences_that_ask_for_logits_get_a_row() {
     use candle_core::Tensor;
-    use tokenrouter::model::{BlockTable, KvCache, SeqInput};
+    use tokenrouter::model::{KvCache, SeqInput};
+    use tokenrouter::scheduler::{BlockPool, Blocks};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
     let spec = TinySpec::new(Architecture::Qwen2);
@@ -244,13 +245,10 @@ fn only_sequences_that_ask_for_logits_get_a_row() {
     // The first 12 tokens of `long` with or without logits, then `short` and one more token.
     let run = |chunk_logits: bool| {
         let mut kv = KvCache::with_capacity(model.config(), 16, 128, KvDtype::F32).unwrap();
-        let mut tables = [
-            BlockTable::default(),
-            BlockTable::default(),
-            BlockTable::default(),
-        ];
+        let pool = BlockPool::new(kv.num_blocks());
+        let mut tables = [Blocks::default(), Blocks::default(), Blocks::default()];
         for (table, len) in tables.iter_mut().zip([long.len(), short.len(), 1]) {
-            kv.reserve(table, len).unwrap();
+            pool.grow(table, len.div_ceil(16)).unwrap();
         }
         let batch: Vec<SeqInput> = [
             (&long[..12], chunk_logits),
@@ -262,7 +260,7 @@ fn only_sequences_that_ask_for_logits_get_a_row() {
         .map(|((tokens, logits), table)| SeqInput {
             tokens,
             start_pos: 0,
-            blocks: table.blocks(),
+            blocks: table.ids(),
             logits,
         })
         .collect();
@@ -280,18 +278,20 @@ fn only_sequences_that_ask_for_logits_get_a_row() {
     let rest = SeqInput {
         tokens: &long[12..],
         start_pos: 12,
-        blocks: tables[0].blocks(),
+        blocks: tables[0].ids(),
         logits: true,
     };
     let continued = model.forward(&[rest], &mut kv, false).unwrap();
     let whole = {
         let mut kv = KvCache::with_capacity(model.config(), 16, 128, KvDtype::F32).unwrap();
-        let mut table = BlockTable::default();
-        kv.reserve(&mut table, long.len()).unwrap();
+        let mut table = Blocks::default();
+        BlockPool::new(kv.num_blocks())
+            .grow(&mut table, long.len().div_ceil(16))
+            .unwrap();
         let input = SeqInput {
             tokens: &long,
             start_pos: 0,
-            blocks: table.blocks(),
+            blocks: table.ids(),
             logits: true,
         };
         model.forward(&[input], &mut kv, false).unwrap()
@@ -300,7 +300,7 @@ fn only_sequences_that_ask_for_logits_get_a_row() {
     let silent = SeqInput {
         tokens: &[3],
         start_pos: 20,
-        blocks: tables[0].blocks(),
+        blocks: tables[0].ids(),
         logits: false,
     };
     // (Two blocks of 16 hold position 20 already.)
@@ -321,9 +321,10 @@ fn hidden_state_is_the_final_normed_state_the_lm_head_reads() {
     write_gguf(&spec, &path, &[GgmlDType::F32]).unwrap();
     let lm = LoadedModel::load(&path, &Device::Cpu).unwrap();
     let mut kv = KvCache::with_capacity(lm.model.config(), 16, 128, KvDtype::default()).unwrap();
+    let pool = tokenrouter::scheduler::BlockPool::new(kv.num_blocks());
     let mut a = Sequence::new(vec![5, 6, 7]);
     let mut b = Sequence::new(vec![9]);
-    let out = step(&lm.model, &mut kv, &mut [&mut a, &mut b], true).unwrap();
+    let out = step(&lm.model, &mut kv, &pool, &mut [&mut a, &mut b], true).unwrap();
     let hidden = out.hidden.unwrap();
     assert_eq!(hidden.dims(), &[2, spec.hidden_size]);
 

@@ -29,8 +29,8 @@ pub struct SeqInput<'a> {
     /// Tokens to run, at positions `start_pos..start_pos + tokens.len()`.
     pub tokens: &'a [u32],
     pub start_pos: usize,
-    /// KV block ids of the sequence, in order; must already hold `start_pos + tokens.len()`
-    /// positions (see [`KvCache::reserve`]).
+    /// KV block ids of the sequence, in order (from the block allocator,
+    /// `scheduler::BlockPool`); must already hold `start_pos + tokens.len()` positions.
     pub blocks: &'a [u32],
     /// Whether the caller reads the logits (and hidden state) at the last new position: false
     /// for a prefill chunk that does not end the sequence's known tokens, whose K/V are all

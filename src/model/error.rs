@@ -50,3 +50,12 @@ pub enum ModelError {
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+impl From<crate::scheduler::OutOfBlocks> for ModelError {
+    fn from(e: crate::scheduler::OutOfBlocks) -> Self {
+        Self::OutOfBlocks {
+            needed: e.needed,
+            free: e.available,
+        }
+    }
+}

@@ -1,11 +1,10 @@
 //! Paged KV cache storage: a pool of fixed-size blocks per model, shared by all its sequences.
 //!
 //! The cache is owned by the caller of the forward pass (a model actor), never by the model.
-//! Each sequence owns a [`BlockTable`]: the block ids that hold its positions in order. Layout of
-//! one layer: `[block][kv_head][slot][head_dim]` (see `kernels::attention`), in `f16` by default
-//! (half the memory and half the bytes attention reads) or `f32` ([`KvDtype`]).
-//! Guarantees: allocation and release are O(blocks moved); a block is in at most one table;
-//! [`KvCache::reserve`] either grows a table to the requested length or changes nothing.
+//! It is storage only: which blocks a sequence holds is the block allocator's business
+//! (`scheduler::BlockPool`), and a forward pass is told each sequence's block ids in order.
+//! Layout of one layer: `[block][kv_head][slot][head_dim]` (see `kernels::attention`), in `f16`
+//! by default (half the memory and half the bytes attention reads) or `f32` ([`KvDtype`]).
 
 use half::f16;
 
@@ -35,22 +34,6 @@ impl KvDtype {
     }
 }
 
-/// The block ids holding one sequence's positions, in order.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct BlockTable {
-    blocks: Vec<u32>,
-}
-
-impl BlockTable {
-    pub fn blocks(&self) -> &[u32] {
-        &self.blocks
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
-    }
-}
-
 /// One layer's K and V (on huge pages where the OS offers them: a head's rows of one block
 /// are a few KB, and a sequence's blocks lie anywhere in the pool).
 struct LayerStore<T: Copy> {
@@ -64,12 +47,11 @@ enum Layers {
     F32(Vec<LayerStore<f32>>),
 }
 
-/// A pool of blocks: which are free, and where their K/V live.
+/// K/V storage for `num_blocks` blocks of `block_size` positions, in every layer.
 pub struct KvCache {
     block_size: usize,
     num_blocks: usize,
     store: KvStore,
-    free: Vec<u32>,
 }
 
 /// Where a cache's K/V live: the device of the model that reads them.
@@ -88,8 +70,8 @@ pub struct HostKv {
 }
 
 impl KvCache {
-    /// A pool of `num_blocks` blocks of `block_size` positions for every layer of `config`,
-    /// stored as `dtype`.
+    /// Storage for `num_blocks` blocks of `block_size` positions for every layer of `config`,
+    /// as `dtype`.
     pub fn new(
         config: &ModelConfig,
         block_size: usize,
@@ -127,13 +109,12 @@ impl KvCache {
         Ok(Self::from_store(block_size, num_blocks, store))
     }
 
-    /// A pool of `num_blocks` blocks of `block_size` positions over storage made for them.
+    /// `num_blocks` blocks of `block_size` positions over storage made for them.
     pub fn from_store(block_size: usize, num_blocks: usize, store: KvStore) -> Self {
         Self {
             block_size,
             num_blocks,
             store,
-            free: (0..num_blocks as u32).rev().collect(),
         }
     }
 
@@ -145,7 +126,7 @@ impl KvCache {
         &mut self.store
     }
 
-    /// A pool large enough for `tokens` positions.
+    /// Storage for at least `tokens` positions.
     pub fn with_capacity(
         config: &ModelConfig,
         block_size: usize,
@@ -181,35 +162,6 @@ impl KvCache {
         self.num_blocks
     }
 
-    pub fn num_free_blocks(&self) -> usize {
-        self.free.len()
-    }
-
-    /// Positions `table` can hold without growing.
-    pub fn capacity(&self, table: &BlockTable) -> usize {
-        table.blocks.len() * self.block_size
-    }
-
-    /// Grows `table` so it holds at least `num_tokens` positions; all or nothing.
-    pub fn reserve(&mut self, table: &mut BlockTable, num_tokens: usize) -> Result<()> {
-        let needed = num_tokens
-            .div_ceil(self.block_size)
-            .saturating_sub(table.blocks.len());
-        if needed > self.free.len() {
-            return Err(ModelError::OutOfBlocks {
-                needed,
-                free: self.free.len(),
-            });
-        }
-        let at = self.free.len() - needed;
-        table.blocks.extend(self.free.drain(at..).rev());
-        Ok(())
-    }
-
-    /// Returns every block of `table` to the pool and empties it.
-    pub fn release(&mut self, table: &mut BlockTable) {
-        self.free.extend(table.blocks.drain(..).rev());
-    }
 }
 
 impl HostKv {
@@ -358,48 +310,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn reserve_grows_by_whole_blocks() {
-        let mut cache = KvCache::new(&config(), 4, 8, KvDtype::F16).unwrap();
-        let mut table = BlockTable::default();
-        cache.reserve(&mut table, 5).unwrap();
-        assert_eq!(table.blocks().len(), 2);
-        cache.reserve(&mut table, 8).unwrap();
-        assert_eq!(table.blocks().len(), 2);
-        cache.reserve(&mut table, 9).unwrap();
-        assert_eq!(table.blocks().len(), 3);
-        assert_eq!(cache.num_free_blocks(), 5);
-    }
-
-    #[test]
-    fn failed_reserve_changes_nothing() {
-        let mut cache = KvCache::new(&config(), 4, 3, KvDtype::F16).unwrap();
-        let mut table = BlockTable::default();
-        cache.reserve(&mut table, 4).unwrap();
-        let err = cache.reserve(&mut table, 17).unwrap_err();
-        assert!(matches!(
-            err,
-            ModelError::OutOfBlocks { needed: 4, free: 2 }
-        ));
-        assert_eq!(table.blocks().len(), 1);
-        assert_eq!(cache.num_free_blocks(), 2);
-    }
-
-    #[test]
-    fn released_blocks_are_reused_and_never_shared() {
-        let mut cache = KvCache::new(&config(), 2, 4, KvDtype::F32).unwrap();
-        let (mut a, mut b) = (BlockTable::default(), BlockTable::default());
-        cache.reserve(&mut a, 4).unwrap();
-        cache.reserve(&mut b, 4).unwrap();
-        assert!(a.blocks().iter().all(|x| !b.blocks().contains(x)));
-        cache.release(&mut a);
-        assert!(a.is_empty());
-        assert_eq!(cache.num_free_blocks(), 2);
-        let mut c = BlockTable::default();
-        cache.reserve(&mut c, 3).unwrap();
-        assert!(c.blocks().iter().all(|x| !b.blocks().contains(x)));
-    }
-
     /// K and V of `layer` at `offset..offset + len`, as `f32`.
     fn stored(cache: &HostKv, layer: usize, offset: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
         fn read<T: KvElem>(store: &LayerStore<T>, at: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
@@ -418,12 +328,12 @@ mod tests {
         for dtype in [KvDtype::F16, KvDtype::F32] {
             let mut cache = KvCache::new(&cfg, 2, 4, dtype).unwrap();
             assert_eq!(cache.dtype(), dtype);
-            let mut table = BlockTable::default();
-            cache.reserve(&mut table, 3).unwrap();
+            // Three positions in blocks 3 and 1 of the four.
+            let blocks = [3u32, 1];
             let k: Vec<f32> = (0..12).map(|x| x as f32 + 0.5).collect();
             let v: Vec<f32> = (0..12).map(|x| -(x as f32)).collect();
             let seqs = [AttentionSeq {
-                blocks: table.blocks(),
+                blocks: &blocks,
                 start_pos: 0,
                 num_tokens: 3,
             }];
@@ -435,7 +345,7 @@ mod tests {
             host.prefetch_slots(1, &seqs);
             host.write(1, &seqs, &k, &v);
             // Position 2 is the first slot of the second block (block size 2, one KV head).
-            let third = (table.blocks()[1] as usize * 2) * 4;
+            let third = (blocks[1] as usize * 2) * 4;
             let (k3, v3) = stored(host, 1, third, 4);
             assert_eq!(k3, [8.5, 9.5, 10.5, 11.5], "{dtype:?}");
             assert_eq!(v3, [-8.0, -9.0, -10.0, -11.0], "{dtype:?}");

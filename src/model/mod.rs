@@ -30,7 +30,7 @@ pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use decoder::{ForwardOutput, Model, SeqInput};
 pub use error::{ModelError, Result};
-pub use kv_cache::{BlockTable, KvCache, KvDtype};
+pub use kv_cache::{KvCache, KvDtype};
 pub use sampler::{Sampler, SamplingParams};
 pub use tokenizer::{IncrementalDecoder, SpecialTokens};
 pub use weights::{gated_kernel, packed_kernel, MatmulBackend, OwnKernel, Weight, WeightSource};

@@ -8,6 +8,7 @@ use rand::{Rng, SeedableRng};
 use super::error::Result;
 use super::kv_cache::KvDtype;
 use super::runner::{step, with_f32_values, Sequence};
+use crate::scheduler::BlockPool;
 use super::sampler::argmax;
 use super::timing::{take_breakdown, Breakdown};
 use super::Model;
@@ -49,6 +50,7 @@ pub fn measure_with(
     let block_size = 16;
     let per_seq = (work.prompt_len + work.decode_steps + 1).div_ceil(block_size) * block_size;
     let mut kv = model.kv_cache_for(block_size, batch * per_seq, work.kv_dtype)?;
+    let pool = BlockPool::new(kv.num_blocks());
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(work.seed);
     // Ordinary (non-special) ids from the low part of the vocabulary.
     let id_range = 0..(config.vocab_size as u32).min(10_000);
@@ -65,6 +67,7 @@ pub fn measure_with(
     let mut logits = step(
         model,
         &mut kv,
+        &pool,
         &mut seqs.iter_mut().collect::<Vec<_>>(),
         false,
     )?
@@ -83,6 +86,7 @@ pub fn measure_with(
         logits = step(
             model,
             &mut kv,
+            &pool,
             &mut seqs.iter_mut().collect::<Vec<_>>(),
             false,
         )?
@@ -105,11 +109,12 @@ pub fn measure_with(
 /// otherwise be charged to the first batch size, or to a server's first request.
 pub fn warm_up(model: &Model) -> Result<()> {
     let mut kv = model.kv_cache_for(16, 32, KvDtype::default())?;
+    let pool = BlockPool::new(kv.num_blocks());
     let prompt = (1..=8).collect();
     let mut seq = Sequence::new(prompt);
-    step(model, &mut kv, &mut [&mut seq], false)?;
+    step(model, &mut kv, &pool, &mut [&mut seq], false)?;
     seq.tokens.push(5);
-    step(model, &mut kv, &mut [&mut seq], false)?;
+    step(model, &mut kv, &pool, &mut [&mut seq], false)?;
     Ok(())
 }
 

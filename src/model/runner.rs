@@ -1,21 +1,24 @@
 //! Driving the decoder outside the actor runtime: per-sequence state ([`Sequence`]) and one
 //! batched step over many sequences ([`step`]), for profiling, scoring and tests; how a
-//! request ends ([`FinishReason`]).
+//! request ends ([`FinishReason`]). Blocks come from the one allocator, `scheduler::BlockPool`,
+//! as in serving.
 
 use candle_core::{DType, Storage, Tensor};
 
 use super::decoder::{ForwardOutput, Model, SeqInput};
 use super::error::{ModelError, Result};
-use super::kv_cache::{BlockTable, KvCache, KvDtype};
+use super::kv_cache::{KvCache, KvDtype};
+use crate::scheduler::{BlockPool, Blocks};
 
-/// A sequence's tokens, how many of them the KV cache already holds, and its blocks.
-#[derive(Debug, Clone)]
+/// A sequence's tokens, how many of them the KV cache already holds, and its blocks (returned
+/// to their pool when the sequence is dropped).
+#[derive(Debug)]
 pub struct Sequence {
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
     /// Tokens `..computed` have their K/V in the cache.
     pub computed: usize,
-    pub table: BlockTable,
+    pub blocks: Blocks,
 }
 
 impl Sequence {
@@ -24,7 +27,7 @@ impl Sequence {
             prompt_len: prompt.len(),
             tokens: prompt,
             computed: 0,
-            table: BlockTable::default(),
+            blocks: Blocks::default(),
         }
     }
 
@@ -36,18 +39,20 @@ impl Sequence {
         &self.tokens[self.prompt_len..]
     }
 
-    /// Returns the sequence's blocks to the pool.
-    pub fn release(&mut self, kv: &mut KvCache) {
-        kv.release(&mut self.table);
+    /// Returns the sequence's blocks to their pool.
+    pub fn release(&mut self) {
+        self.blocks.clear();
         self.computed = 0;
     }
 }
 
 /// One forward pass over every sequence's not-yet-computed tokens (prefill, extend or decode),
-/// reserving their KV blocks first. Every sequence gets logits: row `i` belongs to `seqs[i]`.
+/// growing their blocks from `pool` (which allocates `kv`'s blocks) first. Every sequence gets
+/// logits: row `i` belongs to `seqs[i]`.
 pub fn step(
     model: &Model,
     kv: &mut KvCache,
+    pool: &BlockPool,
     seqs: &mut [&mut Sequence],
     want_hidden: bool,
 ) -> Result<ForwardOutput> {
@@ -57,14 +62,14 @@ pub fn step(
                 "a sequence has no new tokens".into(),
             ));
         }
-        kv.reserve(&mut s.table, s.tokens.len())?;
+        pool.grow(&mut s.blocks, s.tokens.len().div_ceil(kv.block_size()))?;
     }
     let inputs: Vec<SeqInput> = seqs
         .iter()
         .map(|s| SeqInput {
             tokens: &s.tokens[s.computed..],
             start_pos: s.computed,
-            blocks: s.table.blocks(),
+            blocks: s.blocks.ids(),
             logits: true,
         })
         .collect();
@@ -79,12 +84,12 @@ pub fn step(
 /// text in one pass): what position `t` predicts for position `t + 1`.
 pub fn score_text(model: &Model, tokens: &[u32]) -> Result<ForwardOutput> {
     let mut kv = model.kv_cache_for(16, tokens.len(), KvDtype::default())?;
-    let mut seq = Sequence::new(tokens.to_vec());
-    kv.reserve(&mut seq.table, tokens.len())?;
+    // The cache holds this text alone: its blocks in order.
+    let blocks: Vec<u32> = (0..kv.num_blocks() as u32).collect();
     let input = SeqInput {
         tokens,
         start_pos: 0,
-        blocks: seq.table.blocks(),
+        blocks: &blocks,
         logits: true,
     };
     model.forward_all_positions(&[input], &mut kv)

@@ -4,16 +4,22 @@
 //! A request whose leading blocks are already in the index shares them instead of computing
 //! them again.
 //!
+//! [`BlockPool`] is the only allocator of a model's block ids: what a sequence holds is a
+//! [`Blocks`], which gives its ids back when dropped or cleared, so no path can leak a block or
+//! release it twice.
+//!
 //! Guarantees: allocation and release are O(1) (amortised); a block is writable by at most one
 //! request (shared blocks are full and never written again); a cached block nobody uses stays
 //! reusable until memory is needed, then the least recently released one is evicted first;
 //! `available()` counts free and evictable blocks, so a pool with no users is entirely
 //! available. Every change to the index bumps a generation counter and is journaled (the last
 //! `num_blocks` of them), so a copy of the index kept elsewhere can follow it change by change
-//! ([`BlockPool::changes_since`]) instead of being rebuilt whole.
+//! ([`Pool::changes_since`]) instead of being rebuilt whole.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Hash of a token prefix that ends at a block boundary.
 pub type PrefixHash = u64;
@@ -35,8 +41,9 @@ struct BlockState {
     lru_tick: Option<u64>,
 }
 
+/// The pool's state: which blocks are free, referenced or cached, and the prefix index.
 #[derive(Debug, Clone)]
-pub struct BlockPool {
+pub(super) struct Pool {
     blocks: Vec<BlockState>,
     free: Vec<u32>,
     index: HashMap<PrefixHash, u32>,
@@ -57,7 +64,7 @@ pub enum PrefixChange {
     Removed(PrefixHash),
 }
 
-impl BlockPool {
+impl Pool {
     pub fn new(num_blocks: usize) -> Self {
         Self {
             blocks: vec![BlockState::default(); num_blocks],
@@ -147,7 +154,7 @@ impl BlockPool {
     }
 
     /// The index's changes since it was at generation `since`, oldest first; `None` when the
-    /// journal no longer reaches back that far (read [`BlockPool::indexed`] instead).
+    /// journal no longer reaches back that far (read [`Pool::indexed`] instead).
     pub fn changes_since(&self, since: u64) -> Option<impl Iterator<Item = PrefixChange> + '_> {
         let oldest = self
             .journal
@@ -189,6 +196,140 @@ impl BlockPool {
     }
 }
 
+/// The KV blocks of one model, and the only allocator of their ids. Clones share one pool;
+/// the blocks a sequence holds ([`Blocks`]) go back to it when they are dropped or cleared.
+#[derive(Clone)]
+pub struct BlockPool(Arc<Mutex<Pool>>);
+
+/// An allocation that does not fit: `needed` more blocks than the `available` ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the KV cache is full: {needed} more blocks needed, {available} available")]
+pub struct OutOfBlocks {
+    pub needed: usize,
+    pub available: usize,
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: usize) -> Self {
+        Self(Arc::new(Mutex::new(Pool::new(num_blocks))))
+    }
+
+    /// The state; a panic elsewhere while it was held leaves it consistent (every change
+    /// completes before the next can start), so a poisoned lock is taken as it is.
+    fn lock(&self) -> MutexGuard<'_, Pool> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads the state (the prefix index, for publication).
+    pub(super) fn with<R>(&self, f: impl FnOnce(&Pool) -> R) -> R {
+        f(&self.lock())
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.lock().num_blocks()
+    }
+
+    /// Blocks an allocation may take: free ones and cached ones nobody uses.
+    pub fn available(&self) -> usize {
+        self.lock().available()
+    }
+
+    /// Cached blocks (in use or not).
+    pub fn cached(&self) -> usize {
+        self.lock().cached()
+    }
+
+    /// Grows `blocks` to `count` blocks for exclusive use, free blocks first, then the least
+    /// recently released cached ones; all or nothing.
+    pub fn grow(&self, blocks: &mut Blocks, count: usize) -> Result<(), OutOfBlocks> {
+        let needed = count.saturating_sub(blocks.ids.len());
+        if needed == 0 {
+            return Ok(());
+        }
+        let owner = blocks.pool.get_or_insert_with(|| self.clone());
+        assert!(
+            Arc::ptr_eq(&owner.0, &self.0),
+            "blocks grow from the pool they came from"
+        );
+        let mut pool = self.lock();
+        let available = pool.available();
+        if needed > available {
+            return Err(OutOfBlocks { needed, available });
+        }
+        for _ in 0..needed {
+            blocks
+                .ids
+                .push(pool.allocate().expect("availability was checked"));
+        }
+        Ok(())
+    }
+
+    /// The blocks of the longest indexed prefix of `hashes`, each with a new reference.
+    pub fn lookup(&self, hashes: &[PrefixHash]) -> Blocks {
+        Blocks {
+            ids: self.lock().lookup(hashes),
+            pool: Some(self.clone()),
+        }
+    }
+
+    /// Indexes a full, computed block under the hash of the prefix it ends. A prefix already
+    /// indexed keeps its first block.
+    pub fn register(&self, id: u32, hash: PrefixHash) {
+        self.lock().register(id, hash);
+    }
+}
+
+/// The blocks holding one sequence's positions, in order; they return to their pool when
+/// dropped or cleared.
+#[derive(Default)]
+pub struct Blocks {
+    ids: Vec<u32>,
+    /// The pool they came from; `None` while there are none.
+    pool: Option<BlockPool>,
+}
+
+impl Blocks {
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Returns every block to the pool, last first, so that eviction takes the tail of a
+    /// cached prefix before its head (a head without its tail is still useful; the reverse is
+    /// not).
+    pub fn clear(&mut self) {
+        if self.ids.is_empty() {
+            return;
+        }
+        if let Some(pool) = &self.pool {
+            let mut pool = pool.lock();
+            for &id in self.ids.iter().rev() {
+                pool.release(id);
+            }
+        }
+        self.ids.clear();
+    }
+}
+
+impl Drop for Blocks {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+impl fmt::Debug for Blocks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(&self.ids).finish()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashSet;
@@ -197,7 +338,7 @@ mod tests {
 
     #[test]
     fn released_uncached_blocks_are_free_again() {
-        let mut pool = BlockPool::new(2);
+        let mut pool = Pool::new(2);
         let a = pool.allocate().unwrap();
         let b = pool.allocate().unwrap();
         assert_ne!(a, b);
@@ -209,7 +350,7 @@ mod tests {
 
     #[test]
     fn cached_blocks_are_shared_then_evicted_oldest_first() {
-        let mut pool = BlockPool::new(3);
+        let mut pool = Pool::new(3);
         let h1 = chain_hash(None, &[1, 2]);
         let h2 = chain_hash(Some(h1), &[3, 4]);
         let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
@@ -237,7 +378,7 @@ mod tests {
     /// any generation the journal still reaches; from older ones it says so.
     #[test]
     fn changes_since_an_earlier_generation_rebuild_the_index() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = Pool::new(4);
         let mut copies = vec![(0, HashSet::new())];
         for i in 0..12u32 {
             let id = pool.allocate().unwrap();
@@ -265,6 +406,56 @@ mod tests {
         }
         assert_eq!(pool.changes_since(pool.generation()).unwrap().count(), 0);
         assert!(pool.changes_since(pool.generation() + 1).is_none());
+    }
+
+    #[test]
+    fn blocks_grow_all_or_nothing_and_return_when_dropped() {
+        let pool = BlockPool::new(4);
+        let mut a = Blocks::default();
+        pool.grow(&mut a, 3).unwrap();
+        pool.grow(&mut a, 2).unwrap();
+        assert_eq!(a.len(), 3, "growing to fewer blocks changes nothing");
+        let mut b = Blocks::default();
+        pool.grow(&mut b, 1).unwrap();
+        let err = pool.grow(&mut b, 3).unwrap_err();
+        assert_eq!(
+            err,
+            OutOfBlocks {
+                needed: 2,
+                available: 0
+            }
+        );
+        assert_eq!(b.len(), 1, "a failed growth keeps what it had");
+        let ids: HashSet<u32> = a.ids().iter().chain(b.ids()).copied().collect();
+        assert_eq!(ids.len(), 4, "no block is in two tables");
+        drop(a);
+        assert_eq!(pool.available(), 3);
+        b.clear();
+        assert!(b.is_empty());
+        assert_eq!(pool.available(), 4);
+        drop(b);
+        assert_eq!(pool.available(), 4, "cleared blocks are not released again");
+    }
+
+    #[test]
+    fn shared_prefix_blocks_stay_until_their_last_holder_drops_them() {
+        let pool = BlockPool::new(3);
+        let h1 = chain_hash(None, &[1]);
+        let h2 = chain_hash(Some(h1), &[2]);
+        let mut first = Blocks::default();
+        pool.grow(&mut first, 2).unwrap();
+        pool.register(first.ids()[0], h1);
+        pool.register(first.ids()[1], h2);
+        let second = pool.lookup(&[h1, h2]);
+        assert_eq!(second.ids(), first.ids());
+        drop(first);
+        assert_eq!(pool.available(), 1, "still held by the second sequence");
+        drop(second);
+        assert_eq!((pool.available(), pool.cached()), (3, 2));
+        // Released last block first: the tail of the prefix is evicted before its head.
+        let mut other = Blocks::default();
+        pool.grow(&mut other, 2).unwrap();
+        assert_eq!(pool.lookup(&[h1, h2]).len(), 1);
     }
 
     #[test]

@@ -27,7 +27,7 @@ mod published;
 use std::collections::HashMap;
 use std::time::Instant;
 
-pub use block_pool::{chain_hash, BlockPool, PrefixChange, PrefixHash};
+pub use block_pool::{chain_hash, BlockPool, Blocks, OutOfBlocks, PrefixChange, PrefixHash};
 pub use executor::{Decision, DeviceQueue, StepAsk};
 pub use launch::{DelayedBatching, LaunchPolicy, ReadyQueue};
 pub use lockstep::LockStep;
@@ -61,13 +61,13 @@ pub struct Plan {
     pub preempted: Vec<RequestId>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Entry {
     /// Tokens known here.
     len: usize,
     /// Tokens whose K/V are in the cache.
     computed: usize,
-    blocks: Vec<u32>,
+    blocks: Blocks,
     /// Prefix hash of every full block of the known tokens.
     hashes: Vec<PrefixHash>,
     /// Leading blocks already offered to the prefix index.
@@ -155,7 +155,7 @@ impl Scheduler {
         let mut entry = Entry {
             len: 0,
             computed: 0,
-            blocks: Vec::new(),
+            blocks: Blocks::default(),
             hashes: Vec::new(),
             registered: 0,
             away: false,
@@ -163,9 +163,8 @@ impl Scheduler {
             arrival,
         };
         entry.set_tokens(tokens, self.limits.block_size);
-        if let Some(old) = self.entries.insert(id, entry) {
-            self.release_blocks(old.blocks);
-        }
+        // A request added again starts over: its old blocks go back to the pool.
+        self.entries.insert(id, entry);
     }
 
     /// A pending request comes back with its tokens now; with `recompute` its cached prefix
@@ -174,30 +173,19 @@ impl Scheduler {
         let Some(e) = self.entries.get_mut(&id) else {
             return self.add(id, tokens, now);
         };
-        let blocks = if recompute || tokens.len() < e.computed {
+        if recompute || tokens.len() < e.computed {
             e.computed = 0;
             e.registered = 0;
-            std::mem::take(&mut e.blocks)
-        } else {
-            Vec::new()
-        };
+            e.blocks.clear();
+        }
         e.set_tokens(tokens, self.limits.block_size);
         e.away = false;
         e.visit_since = now;
-        self.release_blocks(blocks);
-    }
-
-    /// Releases a sequence's blocks last first, so that eviction takes the tail of a cached
-    /// prefix before its head (a head without its tail is still useful; the reverse is not).
-    fn release_blocks(&mut self, blocks: Vec<u32>) {
-        for b in blocks.into_iter().rev() {
-            self.pool.release(b);
-        }
     }
 
     /// The KV block ids holding `id`'s positions, in order.
     pub fn blocks(&self, id: RequestId) -> &[u32] {
-        self.entries.get(&id).map_or(&[], |e| &e.blocks)
+        self.entries.get(&id).map_or(&[], |e| e.blocks.ids())
     }
 
     /// Tokens already computed for `id` here (0 when unknown).
@@ -232,10 +220,9 @@ impl Scheduler {
             };
             let e = self.entries.get_mut(&id).expect("candidate exists");
             let needed = (e.computed + n).div_ceil(self.limits.block_size);
-            while e.blocks.len() < needed {
-                e.blocks
-                    .push(self.pool.allocate().expect("fit() checked availability"));
-            }
+            self.pool
+                .grow(&mut e.blocks, needed)
+                .expect("fit() checked availability");
             budget -= n;
             plan.items.push(PlanItem {
                 id,
@@ -298,10 +285,9 @@ impl Scheduler {
 
     fn preempt(&mut self, id: RequestId, plan: &mut Plan) {
         let e = self.entries.get_mut(&id).expect("victim exists");
-        let blocks = std::mem::take(&mut e.blocks);
+        e.blocks.clear();
         e.computed = 0;
         e.registered = 0;
-        self.release_blocks(blocks);
         self.preemptions += 1;
         plan.preempted.push(id);
     }
@@ -317,7 +303,7 @@ impl Scheduler {
             e.computed = item.start + item.num_tokens;
             let full = (e.computed / bs).min(e.hashes.len());
             for i in e.registered..full {
-                self.pool.register(e.blocks[i], e.hashes[i]);
+                self.pool.register(e.blocks.ids()[i], e.hashes[i]);
             }
             e.registered = e.registered.max(full);
         }
@@ -343,9 +329,7 @@ impl Scheduler {
     /// `id` is done here (finished, aborted or failed): its blocks go back to the pool, the
     /// full ones staying cached for later prefixes.
     pub fn finish(&mut self, id: RequestId) {
-        if let Some(e) = self.entries.remove(&id) {
-            self.release_blocks(e.blocks);
-        }
+        self.entries.remove(&id);
     }
 
     /// Requests ready here and when the visit of the longest-waiting of them began.

@@ -12,7 +12,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use super::block_pool::{chain_hash, BlockPool, PrefixChange, PrefixHash};
+use super::block_pool::{chain_hash, BlockPool, Pool, PrefixChange, PrefixHash};
 
 #[derive(Default)]
 pub struct PublishedPrefixes {
@@ -26,6 +26,10 @@ impl PublishedPrefixes {
     /// by replaying the changes since, or by reading the whole index when they are no longer
     /// journaled.
     pub fn publish(&self, pool: &BlockPool) {
+        pool.with(|pool| self.update(pool));
+    }
+
+    fn update(&self, pool: &Pool) {
         let published = self.generation.load(Ordering::Acquire);
         if published == pool.generation() {
             return;
@@ -74,7 +78,7 @@ mod tests {
 
     #[test]
     fn cached_tokens_are_the_leading_indexed_blocks() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = Pool::new(4);
         let prompt: Vec<u32> = (0..10).collect();
         let h1 = chain_hash(None, &prompt[0..4]);
         let h2 = chain_hash(Some(h1), &prompt[4..8]);
@@ -82,11 +86,11 @@ mod tests {
         assert_eq!(published.cached_tokens(&prompt, 4), 0);
         let a = pool.allocate().unwrap();
         pool.register(a, h1);
-        published.publish(&pool);
+        published.update(&pool);
         assert_eq!(published.cached_tokens(&prompt, 4), 4);
         let b = pool.allocate().unwrap();
         pool.register(b, h2);
-        published.publish(&pool);
+        published.update(&pool);
         assert_eq!(published.cached_tokens(&prompt, 4), 8);
         // One token must stay to compute: an 8-token prompt can reuse only its first block.
         assert_eq!(published.cached_tokens(&prompt[..8], 4), 4);
@@ -99,7 +103,7 @@ mod tests {
     /// the set is always the pool's index.
     #[test]
     fn publications_follow_the_index_however_far_apart() {
-        let mut pool = BlockPool::new(8);
+        let mut pool = Pool::new(8);
         let published = PublishedPrefixes::default();
         let mut held = Vec::new();
         for i in 0..200u32 {
@@ -116,7 +120,7 @@ mod tests {
             }
             // Publication gaps of 1 to 12 steps; the journal keeps 8 changes.
             if i % (1 + i % 12) == 0 {
-                published.publish(&pool);
+                published.update(&pool);
                 let set = published.set.read().unwrap().clone();
                 assert_eq!(*set, pool.indexed().collect::<HashSet<_>>(), "step {i}");
             }
@@ -125,16 +129,16 @@ mod tests {
 
     #[test]
     fn evicted_prefixes_disappear_on_the_next_publication() {
-        let mut pool = BlockPool::new(1);
+        let mut pool = Pool::new(1);
         let prompt = [1, 2, 3];
         let id = pool.allocate().unwrap();
         pool.register(id, chain_hash(None, &prompt[..2]));
         let published = PublishedPrefixes::default();
-        published.publish(&pool);
+        published.update(&pool);
         assert_eq!(published.cached_tokens(&prompt, 2), 2);
         pool.release(id);
         let _reused = pool.allocate().unwrap();
-        published.publish(&pool);
+        published.update(&pool);
         assert_eq!(published.cached_tokens(&prompt, 2), 0);
     }
 }

@@ -14,6 +14,7 @@ use candle_core::{Device, Tensor};
 use tokenrouter::model::runner::{logits_row, step, Sequence};
 use tokenrouter::model::sampler::argmax;
 use tokenrouter::model::{KvCache, KvDtype, LoadedModel, MatmulBackend, Model};
+use tokenrouter::scheduler::BlockPool;
 
 /// Real quantized models: activations are re-quantized to 8 bits before every matmul, so two
 /// evaluations that differ only in float summation order land on different rounding of the
@@ -72,6 +73,7 @@ pub fn load(path: &std::path::Path) -> LoadedModel {
 pub struct Ours<'a> {
     model: &'a Model,
     kv: KvCache,
+    pool: BlockPool,
     seq: Sequence,
 }
 
@@ -81,9 +83,11 @@ impl<'a> Ours<'a> {
     }
 
     pub fn with_kv_dtype(model: &'a Model, capacity: usize, dtype: KvDtype) -> Self {
+        let kv = KvCache::with_capacity(model.config(), 16, capacity, dtype).unwrap();
         Self {
             model,
-            kv: KvCache::with_capacity(model.config(), 16, capacity, dtype).unwrap(),
+            pool: BlockPool::new(kv.num_blocks()),
+            kv,
             seq: Sequence::new(Vec::new()),
         }
     }
@@ -91,7 +95,13 @@ impl<'a> Ours<'a> {
     pub fn next_logits(&mut self, context: &[u32]) -> Vec<f32> {
         assert!(context.starts_with(&self.seq.tokens));
         self.seq.tokens = context.to_vec();
-        let out = step(self.model, &mut self.kv, &mut [&mut self.seq], false).unwrap();
+        let out = step(
+            self.model,
+            &mut self.kv,
+            &self.pool,
+            &mut [&mut self.seq],
+            false,
+        ).unwrap();
         logits_row(&out.logits, 0).unwrap()
     }
 }
@@ -198,6 +208,7 @@ pub fn greedy_together(
 ) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
     let capacity: usize = prompts.iter().map(|p| p.len() + steps + 16).sum();
     let mut kv = KvCache::with_capacity(model.config(), 16, capacity, kv_dtype()).unwrap();
+    let pool = BlockPool::new(kv.num_blocks());
     let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
     let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
     let mut tick = 0;
@@ -215,7 +226,7 @@ pub fn greedy_together(
             .filter(|(i, _)| active.contains(i))
             .map(|(_, s)| s)
             .collect();
-        let out = step(model, &mut kv, &mut batch, false).unwrap();
+        let out = step(model, &mut kv, &pool, &mut batch, false).unwrap();
         for (row, &i) in active.iter().enumerate() {
             let l = logits_row(&out.logits, row).unwrap();
             seqs[i].tokens.push(argmax(&l));

@@ -5,6 +5,7 @@
 use tokenrouter::model::runner::{logits_row, step, Sequence};
 use tokenrouter::model::sampler::argmax;
 use tokenrouter::model::{KvCache, Model};
+use tokenrouter::scheduler::BlockPool;
 
 /// A two-model rule over the next-token entropy (nats); the SLM is model 0, the LLM model 1.
 #[derive(Debug, Clone, Copy)]
@@ -40,8 +41,9 @@ pub fn entropy(logits: &[f32]) -> f32 {
 pub fn fresh_logits(model: &Model, context: &[u32]) -> Vec<f32> {
     let mut kv =
         KvCache::with_capacity(model.config(), 16, context.len(), super::kv_dtype()).unwrap();
+    let pool = BlockPool::new(kv.num_blocks());
     let mut seq = Sequence::new(context.to_vec());
-    let out = step(model, &mut kv, &mut [&mut seq], false).unwrap();
+    let out = step(model, &mut kv, &pool, &mut [&mut seq], false).unwrap();
     logits_row(&out.logits, 0).unwrap()
 }
 
@@ -148,8 +150,9 @@ pub struct TokenFeatures {
 pub fn fresh_features(model: &Model, context: &[u32]) -> (u32, Vec<f32>, TokenFeatures) {
     let mut kv =
         KvCache::with_capacity(model.config(), 16, context.len(), super::kv_dtype()).unwrap();
+    let pool = BlockPool::new(kv.num_blocks());
     let mut seq = Sequence::new(context.to_vec());
-    let out = step(model, &mut kv, &mut [&mut seq], true).unwrap();
+    let out = step(model, &mut kv, &pool, &mut [&mut seq], true).unwrap();
     let logits = logits_row(&out.logits, 0).unwrap();
     let hidden = out
         .hidden
