@@ -9,6 +9,7 @@ mod gateway;
 mod generate;
 mod serve;
 mod serve_dp;
+#[cfg(feature = "train")]
 mod train_router;
 mod tune;
 
@@ -127,6 +128,7 @@ enum Command {
     /// Cache-aware gateway in front of running servers (data parallelism).
     Gateway(gateway::GatewayArgs),
     /// Train R2R / CITER / Co-LLM router heads for the configured SLM/LLM pair.
+    #[cfg(feature = "train")]
     TrainRouter(train_router::TrainRouterArgs),
     /// Token-routed serving throughput of the configured models in every scheduling mode.
     BenchRuntime(bench_runtime::BenchRuntimeArgs),
@@ -147,6 +149,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(args, kernels),
         Command::Gateway(args) => gateway::run(args),
+        #[cfg(feature = "train")]
         Command::TrainRouter(args) => train_router::run(args, kernels.backend()),
         Command::Tune(args) => tune::run(args, kernels.backend()),
         Command::Bench(args) => bench::run(args),

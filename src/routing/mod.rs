@@ -24,6 +24,7 @@ mod query_level;
 mod r2r;
 mod rstitch;
 mod single;
+#[cfg(feature = "train")]
 pub mod train;
 
 use std::sync::Arc;
