@@ -11,5 +11,7 @@ pub mod runtime;
 pub mod worker;
 
 pub use model_actor::ModelActor;
-pub use request::{GenerateRequest, Prompt, RequestActor, RequestEvent, Summary};
-pub use runtime::{load_models, RequestHandle, Runtime};
+pub use request::{
+    GenerateRequest, Prompt, RequestActor, RequestEvent, RequestHandle, RuntimeShared, Summary,
+};
+pub use runtime::{load_models, Runtime};

@@ -13,7 +13,6 @@ use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Message, Recipi
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::messages::{Abort, EventSink, RequestMeta, Submit, TokenEvent};
-use super::runtime::RuntimeShared;
 use crate::model::runner::FinishReason;
 use crate::model::{ChatMessage, IncrementalDecoder, SamplingParams};
 use crate::routing::ModelIndex;
@@ -122,7 +121,9 @@ impl RequestEvent {
 #[rtype(result = "()")]
 pub struct Cancel;
 
+mod shared;
 mod state;
+pub use shared::{Admitted, RequestHandle, RuntimeShared};
 pub use state::RequestState;
 
 pub struct RequestActor {

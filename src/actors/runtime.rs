@@ -1,26 +1,21 @@
 //! Wiring from `config.toml`: loads the models, checks they can be routed together, splits one
 //! KV memory budget between them, starts one model actor per model on its own arbiter thread,
-//! and starts a request actor per submitted request. Must be used inside an actix system.
+//! and builds what request actors share. Must be used inside an actix system.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, Addr, Arbiter};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::model_actor::{GetStats, ModelActor, Wire};
-use super::request::{
-    Cancel, GenerateRequest, Prompt, RequestActor, RequestError, RequestEvent, Summary,
-};
+use super::request::{GenerateRequest, RequestHandle, RuntimeShared};
 use super::worker::{ModelWorker, Stepping, WorkerSetup, WorkerStats};
 use crate::config::{Config, SchedulingMode};
 use crate::model::{KvCache, LoadedModel, ModelError};
-use crate::routing::{ModelIndex, RoutingAlgorithm, RoutingError};
-use crate::scheduler::{
-    DelayedBatching, LaunchPolicy, PublishedPrefixes, RequestId, SchedulerLimits,
-};
+use crate::routing::{RoutingAlgorithm, RoutingError};
+use crate::scheduler::{DelayedBatching, LaunchPolicy, PublishedPrefixes, SchedulerLimits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -35,116 +30,6 @@ pub enum RuntimeError {
     Routing(#[from] RoutingError),
     #[error("{0}")]
     Config(String),
-}
-
-/// What request actors share: the model actors, the tokenizer and the routing function.
-pub struct RuntimeShared {
-    pub model_names: Vec<String>,
-    pub models: Vec<Addr<ModelActor>>,
-    /// The model whose tokenizer and chat template requests use (all routed models share the
-    /// tokenizer).
-    pub lead: Arc<LoadedModel>,
-    pub eos: Vec<u32>,
-    pub vocab_size: usize,
-    pub router: Arc<dyn RoutingAlgorithm>,
-    /// Longest sequence every model can hold (context length and KV share).
-    pub max_context: usize,
-    /// Per model: false once a forward pass panicked.
-    pub health: Vec<Arc<AtomicBool>>,
-    /// Per model: the prefixes its KV cache holds, as of its last step.
-    pub prefixes: Vec<Arc<PublishedPrefixes>>,
-    pub block_size: usize,
-    next_id: AtomicU64,
-}
-
-/// A validated request: its prompt tokens and output budget.
-pub struct Admitted {
-    pub prompt: Vec<u32>,
-    pub max_tokens: usize,
-}
-
-impl RuntimeShared {
-    /// The first model whose actor failed, if any.
-    pub fn unhealthy_model(&self) -> Option<&str> {
-        self.health
-            .iter()
-            .position(|h| !h.load(Ordering::Acquire))
-            .map(|i| self.model_names[i].as_str())
-    }
-
-    /// Tokenizes and validates, naming the field at fault.
-    pub fn prepare(&self, request: &GenerateRequest) -> Result<Admitted, RequestError> {
-        request
-            .params
-            .validate()
-            .map_err(|e| RequestError::invalid(e.to_string()))?;
-        let prompt = match &request.prompt {
-            Prompt::Text(text) => self.encode(text)?,
-            Prompt::Chat(messages) => {
-                let template = self.lead.chat_template.as_ref().ok_or_else(|| {
-                    RequestError::invalid("messages: the model has no chat template")
-                })?;
-                let text = template
-                    .render(messages, true)
-                    .map_err(|e| RequestError::invalid(format!("messages: {e}")))?;
-                self.encode(&text)?
-            }
-            Prompt::Tokens(ids) => {
-                if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
-                    return Err(RequestError::invalid(format!(
-                        "input_ids: token {bad} is outside the vocabulary (size {})",
-                        self.vocab_size
-                    )));
-                }
-                ids.clone()
-            }
-        };
-        if prompt.is_empty() {
-            return Err(RequestError::invalid("prompt: the prompt is empty"));
-        }
-        let room = self.max_context.saturating_sub(prompt.len());
-        if room == 0 {
-            return Err(RequestError::invalid(format!(
-                "prompt: {} tokens do not fit the context of {} tokens",
-                prompt.len(),
-                self.max_context
-            )));
-        }
-        let max_tokens = match request.max_tokens {
-            None => room,
-            Some(0) => return Err(RequestError::invalid("max_tokens: must be at least 1")),
-            Some(n) if n > room => {
-                return Err(RequestError::invalid(format!(
-                    "max_tokens: {n} plus the prompt's {} tokens exceed the context of {} tokens",
-                    prompt.len(),
-                    self.max_context
-                )))
-            }
-            Some(n) => n,
-        };
-        Ok(Admitted { prompt, max_tokens })
-    }
-
-    /// Prompt tokens of `request` and how many of them the first model holds in its prefix
-    /// cache (as of its last step).
-    pub fn cached_prefix(&self, request: &GenerateRequest) -> Result<(usize, usize), RequestError> {
-        let prompt = self.prepare(request)?.prompt;
-        let first = self.router.first_model(&prompt);
-        let cached = self.prefixes[first].cached_tokens(&prompt, self.block_size);
-        Ok((prompt.len(), cached))
-    }
-
-    fn encode(&self, text: &str) -> Result<Vec<u32>, RequestError> {
-        let enc = self
-            .lead
-            .tokenizer
-            .encode(text, true)
-            .map_err(|e| RequestError {
-                kind: super::request::ErrorKind::Internal,
-                message: format!("tokenizer: {e}"),
-            })?;
-        Ok(enc.get_ids().to_vec())
-    }
 }
 
 /// One model's share of the KV budget.
@@ -178,41 +63,6 @@ pub struct Runtime {
     shared: Arc<RuntimeShared>,
     kv: Vec<KvShare>,
     arbiters: Vec<Arbiter>,
-}
-
-/// A submitted request: its events, ending with exactly one terminal event.
-pub struct RequestHandle {
-    pub id: RequestId,
-    pub events: UnboundedReceiver<RequestEvent>,
-    actor: Addr<RequestActor>,
-}
-
-impl RequestHandle {
-    pub fn cancel(&self) {
-        self.actor.do_send(Cancel);
-    }
-
-    /// Reads the request's events to its end, handing each piece of text and its tokens (with
-    /// the model that made each) to `on_text`. Returns the summary, `None` when the request
-    /// was cancelled, or the error that ended it.
-    pub async fn finish(
-        mut self,
-        mut on_text: impl FnMut(&str, &[(u32, ModelIndex)]),
-    ) -> Result<Option<Summary>, RequestError> {
-        while let Some(event) = self.events.recv().await {
-            match event {
-                RequestEvent::Text { text, tokens } => on_text(&text, &tokens),
-                RequestEvent::Finished(summary) => return Ok(Some(summary)),
-                RequestEvent::Failed(e) => return Err(e),
-                RequestEvent::Cancelled => return Ok(None),
-                RequestEvent::Admitted { .. } | RequestEvent::Moved { .. } => {}
-            }
-        }
-        Err(RequestError {
-            kind: super::request::ErrorKind::Internal,
-            message: "the request ended without a terminal event".into(),
-        })
-    }
 }
 
 mod placement;

@@ -12,7 +12,7 @@ use super::error::ApiError;
 use super::metrics::Metrics;
 use super::AdmissionSlot;
 use crate::actors::request::{ErrorKind, RequestError};
-use crate::actors::runtime::RuntimeShared;
+use crate::actors::RuntimeShared;
 use crate::actors::{GenerateRequest, RequestEvent, Summary};
 use crate::routing::ModelIndex;
 use std::sync::Arc;

@@ -22,8 +22,8 @@ use actix_web::web::{Bytes, BytesMut};
 use actix_web::{web, App, HttpServer};
 use futures_util::StreamExt;
 
-use crate::actors::runtime::{KvShare, RuntimeShared};
-use crate::actors::{load_models, Runtime};
+use crate::actors::runtime::KvShare;
+use crate::actors::{load_models, Runtime, RuntimeShared};
 use crate::config::Config;
 use error::ApiError;
 pub use metrics::Metrics;

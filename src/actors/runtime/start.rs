@@ -259,16 +259,6 @@ impl Runtime {
     }
 }
 
-impl RuntimeShared {
-    /// Starts a request actor for `request` on the current arbiter.
-    pub fn submit(self: &Arc<Self>, request: GenerateRequest) -> RequestHandle {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, events) = unbounded_channel();
-        let actor = RequestActor::new(self.clone(), id, request, tx).start();
-        RequestHandle { id, events, actor }
-    }
-}
-
 /// The started devices: each one's plan, compute pool and executor.
 struct Devices {
     devices: Vec<StartedDevice>,
