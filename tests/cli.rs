@@ -260,10 +260,7 @@ fn the_instruction_set_override_is_checked_and_used() {
     assert_eq!(kernels(bench(Some("scalar"))), "scalar");
     let fastest = Isa::available().last().unwrap().name();
     assert_eq!(kernels(bench(None)), fastest);
-    assert_fails_with(
-        &bench(Some("avx3")),
-        "'avx3' is not one of scalar",
-    );
+    assert_fails_with(&bench(Some("avx3")), "'avx3' is not one of scalar");
     if let Some(missing) = Isa::ALL.into_iter().find(|isa| !isa.is_available()) {
         assert_fails_with(&bench(Some(missing.name())), "this CPU lacks it");
     }

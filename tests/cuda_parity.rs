@@ -30,7 +30,8 @@ fn run(model: &Model, prompts: &[Vec<u32>], feed: Option<&[Vec<u32>]>) -> (Steps
     let pool = BlockPool::new(kv.num_blocks());
     let mut tables: Vec<Blocks> = prompts.iter().map(|_| Blocks::default()).collect();
     for (table, p) in tables.iter_mut().zip(prompts) {
-        pool.grow(table, (p.len() + DECODE_STEPS).div_ceil(16)).unwrap();
+        pool.grow(table, (p.len() + DECODE_STEPS).div_ceil(16))
+            .unwrap();
     }
     let mut steps = Vec::new();
     let mut tokens: Vec<Vec<u32>> = prompts.iter().map(|_| Vec::new()).collect();

@@ -58,7 +58,10 @@ pub fn run(args: GenerateArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     params.validate()?;
     let (config, models) = if args.model.model.is_some() {
         let lm = args.model.load_with(backend)?;
-        let name = lm.path.file_stem().map(|s| s.to_string_lossy().into_owned());
+        let name = lm
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned());
         let mut config = Config::alone(&name.unwrap_or_default(), lm.path.clone());
         config.kv_cache = KvCacheSettings {
             block_size: args.block_size,

@@ -107,7 +107,11 @@ impl KernelArgs {
 
 #[cfg(feature = "cuda")]
 fn default_kernel_cache() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     let root = var("XDG_CACHE_HOME").or_else(|| var("HOME").map(|h| h.join(".cache")))?;
     Some(root.join("tokenrouter/kernels"))
 }

@@ -87,8 +87,7 @@ impl ServeArgs {
             );
         };
         let ready_within = Duration::from_secs(900);
-        let (urls, servers) =
-            serve_dp::start(
+        let (urls, servers) = serve_dp::start(
             self.dp_size,
             first,
             &self.server_args(),

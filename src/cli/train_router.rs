@@ -125,7 +125,10 @@ fn chunks(
     out
 }
 
-pub fn run(args: TrainRouterArgs, backend: tokenrouter::model::MatmulBackend) -> anyhow::Result<()> {
+pub fn run(
+    args: TrainRouterArgs,
+    backend: tokenrouter::model::MatmulBackend,
+) -> anyhow::Result<()> {
     let kinds: Vec<HeadKind> = args
         .kinds
         .iter()
@@ -142,10 +145,7 @@ pub fn run(args: TrainRouterArgs, backend: tokenrouter::model::MatmulBackend) ->
             args.config.display()
         );
     };
-    let models = load_models(
-        &config,
-        tokenrouter::model::ComputeTarget::Cpu(backend),
-    )?;
+    let models = load_models(&config, tokenrouter::model::ComputeTarget::Cpu(backend))?;
     let files = corpus_files(&args.corpus, &args.extension)?;
     let texts = chunks(
         &files,

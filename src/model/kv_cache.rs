@@ -161,7 +161,6 @@ impl KvCache {
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
     }
-
 }
 
 impl HostKv {

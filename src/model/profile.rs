@@ -8,10 +8,10 @@ use rand::{Rng, SeedableRng};
 use super::error::Result;
 use super::kv_cache::KvDtype;
 use super::runner::{step, with_f32_values, Sequence};
-use crate::scheduler::BlockPool;
 use super::sampler::argmax;
 use super::timing::{take_breakdown, Breakdown};
 use super::Model;
+use crate::scheduler::BlockPool;
 
 /// What one measurement runs: prompts of `prompt_len` random ids, then `decode_steps` greedy
 /// steps.

@@ -127,7 +127,12 @@ pub enum FinishReason {
 impl FinishReason {
     /// Why a request ends with `token`, its `generated`-th output token, or `None` when it
     /// goes on: the stop rule of every model and of the request itself.
-    pub fn after(token: u32, generated: usize, stop_ids: &[u32], max_tokens: usize) -> Option<Self> {
+    pub fn after(
+        token: u32,
+        generated: usize,
+        stop_ids: &[u32],
+        max_tokens: usize,
+    ) -> Option<Self> {
         if stop_ids.contains(&token) {
             Some(Self::Stop)
         } else if generated >= max_tokens {

@@ -25,7 +25,10 @@ fn json(body: &[u8]) -> Result<serde_json::Value, ApiError> {
 
 /// Reads `T` from a parsed body (`prefix` `None`) or from its nested object `prefix`, naming
 /// `prefix.field` on error.
-fn read<T: DeserializeOwned>(value: &serde_json::Value, prefix: Option<&str>) -> Result<T, ApiError> {
+fn read<T: DeserializeOwned>(
+    value: &serde_json::Value,
+    prefix: Option<&str>,
+) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let inner = e.path().to_string();
         let path = match prefix {
@@ -269,7 +272,10 @@ fn parse_openai<T: DeserializeOwned>(body: &[u8]) -> Result<(T, OpenAiSampling),
 impl ChatRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let (request, sampling) = parse_openai::<Self>(body)?;
-        Ok(Self { sampling, ..request })
+        Ok(Self {
+            sampling,
+            ..request
+        })
     }
 
     pub fn to_request(&self) -> Result<GenerateRequest, ApiError> {
@@ -336,7 +342,10 @@ impl ChatRequest {
 impl CompletionRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let (request, sampling) = parse_openai::<Self>(body)?;
-        Ok(Self { sampling, ..request })
+        Ok(Self {
+            sampling,
+            ..request
+        })
     }
 
     pub fn to_request(&self) -> Result<GenerateRequest, ApiError> {

@@ -101,7 +101,8 @@ impl<'a> Ours<'a> {
             &self.pool,
             &mut [&mut self.seq],
             false,
-        ).unwrap();
+        )
+        .unwrap();
         logits_row(&out.logits, 0).unwrap()
     }
 }
