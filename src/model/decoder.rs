@@ -16,27 +16,13 @@ use super::backend::cpu::Cpu;
 #[cfg(feature = "cuda")]
 use super::backend::cuda::Cuda;
 use super::backend::Backend;
+use super::batch::SeqInput;
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
 use super::timing::{projection_of, timed, Part, PROJECTIONS};
 use super::weights::{MatmulBackend, Weight, WeightSource};
 use crate::kernels::rope::inverse_frequencies;
-
-/// One sequence of a forward batch.
-#[derive(Clone, Copy, Debug)]
-pub struct SeqInput<'a> {
-    /// Tokens to run, at positions `start_pos..start_pos + tokens.len()`.
-    pub tokens: &'a [u32],
-    pub start_pos: usize,
-    /// KV block ids of the sequence, in order (from the block allocator,
-    /// `scheduler::BlockPool`); must already hold `start_pos + tokens.len()` positions.
-    pub blocks: &'a [u32],
-    /// Whether the caller reads the logits (and hidden state) at the last new position: false
-    /// for a prefill chunk that does not end the sequence's known tokens, whose K/V are all
-    /// the step is for. [`Model::forward_all_positions`] ignores it.
-    pub logits: bool,
-}
 
 pub struct ForwardOutput {
     /// `[rows, vocab]`, `f32`: logits at the last new position of each sequence with

@@ -58,7 +58,18 @@ pub struct KvCache {
 pub enum KvStore {
     Host(HostKv),
     #[cfg(feature = "cuda")]
-    Cuda(super::backend::cuda::DeviceKv),
+    Cuda(DeviceKv),
+}
+
+/// Every layer's K and V in GPU memory, `[block][kv_head][slot][head_dim]` in `f16` (the CUDA
+/// backend's ops read and write it).
+#[cfg(feature = "cuda")]
+pub struct DeviceKv {
+    pub(in crate::model) k: Vec<cudarc::driver::CudaSlice<u16>>,
+    pub(in crate::model) v: Vec<cudarc::driver::CudaSlice<u16>>,
+    pub(in crate::model) block_size: usize,
+    pub(in crate::model) num_kv_heads: usize,
+    pub(in crate::model) head_dim: usize,
 }
 
 /// Every layer's K/V in host memory.

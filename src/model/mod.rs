@@ -3,6 +3,7 @@
 //! and sampler. Knows nothing of actors, scheduling policy or HTTP.
 
 pub mod backend;
+pub mod batch;
 pub mod chat_template;
 pub mod config;
 pub mod decoder;
@@ -26,9 +27,10 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use serde::Deserialize;
 
+pub use batch::SeqInput;
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig, RopeStyle};
-pub use decoder::{ForwardOutput, Model, SeqInput};
+pub use decoder::{ForwardOutput, Model};
 pub use error::{ModelError, Result};
 pub use kv_cache::{KvCache, KvDtype};
 pub use sampler::{Sampler, SamplingParams};

@@ -5,7 +5,8 @@
 
 use candle_core::{DType, Storage, Tensor};
 
-use super::decoder::{ForwardOutput, Model, SeqInput};
+use super::batch::SeqInput;
+use super::decoder::{ForwardOutput, Model};
 use super::error::{ModelError, Result};
 use super::kv_cache::{KvCache, KvDtype};
 use crate::scheduler::{BlockPool, Blocks};

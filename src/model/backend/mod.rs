@@ -18,8 +18,8 @@ pub mod cuda;
 
 use candle_core::Tensor;
 
+use super::batch::SeqInput;
 use super::config::{ModelConfig, RopeStyle};
-use super::decoder::SeqInput;
 use super::error::Result;
 use super::kv_cache::KvCache;
 use super::weights::Weight;

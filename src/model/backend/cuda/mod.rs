@@ -21,10 +21,10 @@ use cudarc::driver::{
 
 use super::Backend;
 use crate::kernels::cuda as kernels;
+use crate::model::batch::SeqInput;
 use crate::model::config::{ModelConfig, RopeStyle};
-use crate::model::decoder::SeqInput;
 use crate::model::error::{ModelError, Result};
-use crate::model::kv_cache::{KvCache, KvDtype, KvStore};
+use crate::model::kv_cache::{DeviceKv, KvCache, KvDtype, KvStore};
 use crate::model::weights::Weight;
 pub use linear::{DeviceMatrix, Format, MAX_MATVEC_BATCH};
 
@@ -62,15 +62,6 @@ pub struct DeviceNorm {
     weight: CudaSlice<f32>,
     len: usize,
     eps: f32,
-}
-
-/// Every layer's K and V, `[block][kv_head][slot][head_dim]` in `f16`.
-pub struct DeviceKv {
-    k: Vec<CudaSlice<u16>>,
-    v: Vec<CudaSlice<u16>>,
-    block_size: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
 }
 
 /// One forward pass's positions and block tables on the device.
