@@ -4,10 +4,11 @@
 
 use half::f16;
 
-#[cfg(target_arch = "x86_64")]
-use super::avx2;
 use super::{Isa, QK};
 use crate::kernels::parallel::{for_each_range, DisjointOut};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 /// Activations of one matmul from which their quantization is spread over the pool (a
 /// parallel call costs about a microsecond, a 576-value row's quantization about half one).

@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 use std::cell::UnsafeCell;
 
-use super::simple::SimpleX8;
+use super::simple_trait::SimpleX8;
 use std::ops::Range;
 
 use super::{prefetch_line, Interleaved, ROWS};

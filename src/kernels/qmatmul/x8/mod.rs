@@ -142,6 +142,7 @@ mod gated;
 mod q4k;
 mod q6k;
 mod simple;
+mod simple_trait;
 #[cfg(target_arch = "x86_64")]
 mod zmm;
 pub use gated::GatedPacked;

@@ -14,7 +14,7 @@
 
 use std::arch::x86_64::*;
 
-use super::simple::{self, SimpleX8};
+use super::simple_trait::{add_block, SimpleX8};
 use super::{prefetch_at, ROWS};
 use crate::kernels::qmatmul::ActBlock;
 
@@ -103,7 +103,7 @@ pub(super) unsafe fn simple_row<S: SimpleX8>(
         }
         let dot = fold(_mm512_add_epi32(part[0], part[1]));
         let dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * a.sum));
-        simple::add_block(block, &[a], [dot], &mut acc);
+        add_block(block, &[a], [dot], &mut acc);
     }
     _mm256_storeu_ps(sums.as_mut_ptr(), acc[0]);
 }
