@@ -16,6 +16,9 @@ use std::cell::RefCell;
 use super::parallel::{current_threads, for_each_range, DisjointOut};
 use super::{axpy, dot, exp_portable, prefetch_lines, KvElem};
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
 /// Largest supported block size: scores of one block live on the stack.
 pub const MAX_BLOCK_SIZE: usize = 256;
 /// Fewest cache positions a context chunk covers when contexts are split.
@@ -286,7 +289,6 @@ unsafe fn attend_blocks_avx2<T: KvElem>(
     span: Span,
     state: &mut SoftmaxState,
 ) {
-    use super::avx2;
     // SAFETY (of the calls): this function only runs where AVX2, FMA and F16C are available,
     // with rows of a multiple of 8 elements.
     let hd = kv.head_dim;
@@ -305,7 +307,7 @@ unsafe fn attend_blocks_avx2<T: KvElem>(
                 avx2::weighted_sum_pair(acc, w, stride, v)
             }
         },
-        exp: |xs: &mut [f32]| unsafe { avx2::exp(xs) },
+        exp: |xs: &mut [f32]| unsafe { super::avx2::exp(xs) },
     };
     attend_blocks_with(ops, q, out, kv, span, state)
 }
