@@ -199,7 +199,7 @@ macro_rules! interleaved {
 
 /// Our kernel on a copy of `bytes` (a `[rows, cols]` matrix of `dtype`) repacked for it: every
 /// format our kernels take, with whole groups of eight rows, interleaved (an exact repack; see
-/// `kernels::qmatmul::x8`). `None` for other types and shapes.
+/// `kernels::qmatmul::interleaved`). `None` for other types and shapes.
 pub fn packed_kernel(
     dtype: GgmlDType,
     rows: usize,

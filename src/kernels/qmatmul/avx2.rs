@@ -58,7 +58,7 @@ pub trait ByteDot: 'static {
     /// Whether `dpbusd` is one instruction, so kernels keep 32-bit sums.
     const VNNI: bool;
     /// Whether the interleaved tiles request their weights at the 512-bit one-row kernels'
-    /// distances, into L2 as well as L1 (the AVX-512 machines': see `x8::tile_prefetch_line`).
+    /// distances, into L2 as well as L1 (the AVX-512 machines': see `interleaved::tile_prefetch_line`).
     const L2_REQUESTS: bool = false;
     /// `acc + q · x` in 32-bit lanes.
     ///

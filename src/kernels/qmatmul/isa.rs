@@ -13,7 +13,7 @@ pub enum Isa {
     AvxVnni,
     /// The AVX2 kernels with AVX-512 VNNI's 256-bit integer dot products (`vpdpbusd`), and
     /// 512-bit kernels for one activation row in the interleaved formats that have them
-    /// (`x8::zmm`).
+    /// (`interleaved::avx512_row`).
     Avx512Vnni,
     /// AVX-512 VNNI, with AMX's tile multiplies for the products of several activation rows
     /// in the formats that have an AMX path (see `qmatmul::amx`); only where the OS granted

@@ -3,7 +3,7 @@
 //! products.
 //!
 //! * Matrices with whole groups of eight rows (every quantized matrix of the shipped models)
-//!   are repacked exactly at load into [`PackedMatrix`] (module `x8`), eight rows interleaved,
+//!   are repacked exactly at load into [`PackedMatrix`] (module `interleaved`), eight rows interleaved,
 //!   whose kernels pay fewer multiplies per multiply-add and no horizontal sums; the ggml copy
 //!   is then dropped unless the tensor is also the embedding. [`QuantMatrix`] keeps the rest
 //!   in their ggml block layout and reads them in place where the loader keeps them.
@@ -34,19 +34,19 @@ pub mod amx;
 mod blocks;
 #[cfg(target_arch = "x86_64")]
 pub use avx2::{Avx2Dot, Avx512VnniDot, AvxVnniDot, ByteDot};
+mod interleaved;
 mod isa;
 mod kquants;
-mod x8;
 use acts::quantize_rows;
 pub use acts::{quantize_i8, quantize_i8_scalar, quantize_row, ActBlock, ActFormat};
 pub use blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, SimpleBlock};
-pub use isa::{Isa, IsaError};
-pub use kquants::{ActBlockK, BlockQ4K, BlockQ6K, QK_K};
-pub use x8::{
+pub use interleaved::{
     BlockQ4Kx8, BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ6Kx8, BlockQ8_0x8, GatedPacked,
     Interleaved, PackedMatrix, PackedQ4K, PackedQ4_0, PackedQ4_1, PackedQ5_0, PackedQ6K,
     PackedQ8_0,
 };
+pub use isa::{Isa, IsaError};
+pub use kquants::{ActBlockK, BlockQ4K, BlockQ6K, QK_K};
 
 /// Values per block of the 32-value formats.
 pub const QK: usize = 32;

@@ -1,4 +1,4 @@
-//! The interleaved kernels (`x8`): every format against the dense reference, SiLU·gate fused
+//! The interleaved kernels (`interleaved`): every format against the dense reference, SiLU·gate fused
 //! into gate/up, AMX against AVX-512 VNNI, and a row's product the same bits on every path.
 
 use rand::{Rng, SeedableRng};
@@ -270,7 +270,8 @@ fn check_row_zmm<P: Interleaved>() {
     let size = std::mem::size_of::<P::Source>();
     for kb in [1, 3, 28] {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(kb as u64 * 97);
-        let bytes = random_blocks::<P::Source>(x8::ROWS * kb, &mut rng);
+        let bytes =
+            random_blocks::<P::Source>(crate::kernels::qmatmul::interleaved::ROWS * kb, &mut rng);
         // SAFETY: each source block is plain integer and f16 fields, any bits valid, read
         // unaligned from inside `bytes`.
         let source = |row: usize, b: usize| unsafe {
@@ -278,14 +279,18 @@ fn check_row_zmm<P: Interleaved>() {
         };
         let w: Vec<P> = (0..kb)
             .map(|b| {
-                let rows: [P::Source; x8::ROWS] = std::array::from_fn(|i| source(i, b));
+                let rows: [P::Source; crate::kernels::qmatmul::interleaved::ROWS] =
+                    std::array::from_fn(|i| source(i, b));
                 P::pack(std::array::from_fn(|i| &rows[i]))
             })
             .collect();
         let x: Vec<f32> = (0..kb * len).map(|_| rng.random_range(-3.0..3.0)).collect();
         let mut acts = vec![<P::Source as WeightBlock>::Act::ZERO; kb];
         quantize_row(&x, &mut acts);
-        let (mut zmm, mut ymm) = ([f32::NAN; x8::ROWS], [[f32::NAN; x8::ROWS]]);
+        let (mut zmm, mut ymm) = (
+            [f32::NAN; crate::kernels::qmatmul::interleaved::ROWS],
+            [[f32::NAN; crate::kernels::qmatmul::interleaved::ROWS]],
+        );
         // SAFETY: AVX-512 VNNI is available; `w` and `acts` hold `kb` blocks.
         unsafe {
             P::row_zmm(&w, &acts, kb, &mut zmm);

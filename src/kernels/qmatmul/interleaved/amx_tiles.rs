@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 use std::cell::UnsafeCell;
 
-use super::simple_trait::SimpleX8;
+use super::block32_trait::SimpleX8;
 use std::ops::Range;
 
 use super::{prefetch_line, Interleaved, ROWS};
@@ -51,7 +51,7 @@ pub(super) unsafe fn bytes8(a: *const u8, b: *const u8) -> __m128i {
 /// Requests lines `lines` (counted as [`prefetch_line`] counts) of both blocks of a pair; with
 /// `stream` (a product whose rows fit one tile, so each weight comes from memory once) as the
 /// one-row kernels do, into L1 from 3 KB ahead and into L2 8 KB further
-/// ([`zmm::prefetch_row_line`](super::zmm::prefetch_row_line)). Decode batches of 6 to 16
+/// ([`zmm::prefetch_row_line`](super::avx512_row::prefetch_row_line)). Decode batches of 6 to 16
 /// decoded 3–17 % faster that way (the 1.5B's batches of 8 at 365–373 % of the batch-1
 /// roofline against 316–318, the 0.5B's at 384–388 against 356–364; two alternated rounds);
 /// prefills (16-row tiles over weights that stay in L2 between them) 1–6 % slower, so they keep
@@ -64,8 +64,8 @@ pub(super) unsafe fn prefetch_pair<P: Interleaved>(
 ) {
     for line in lines {
         if stream {
-            super::zmm::prefetch_row_line(pair[0], line);
-            super::zmm::prefetch_row_line(pair[1], line);
+            super::avx512_row::prefetch_row_line(pair[0], line);
+            super::avx512_row::prefetch_row_line(pair[1], line);
         } else {
             prefetch_line(pair[0], line);
             prefetch_line(pair[1], line);

@@ -1,7 +1,7 @@
-//! What the kernels of the 32-value interleaved formats (Q4_0, Q4_1, Q5_0, Q8_0; `simple.rs`)
+//! What the kernels of the 32-value interleaved formats (Q4_0, Q4_1, Q5_0, Q8_0; `block32.rs`)
 //! ask of a format ([`SimpleX8`]), and the float step every one of them ends a block with
-//! ([`add_block`]). A leaf: the 256-bit tiles, the 512-bit one-row kernel (`zmm.rs`) and the
-//! AMX tiles (`amx.rs`) read it, and the formats implement it.
+//! ([`add_block`]). A leaf: the 256-bit tiles, the 512-bit one-row kernel (`avx512_row.rs`) and the
+//! AMX tiles (`amx_tiles.rs`) read it, and the formats implement it.
 
 use half::f16;
 
@@ -30,7 +30,7 @@ pub trait SimpleX8: Copy + Send + Sync + 'static {
     /// of stored values loses `OFFSET` times the activation block's `sum`.
     const OFFSET: i32 = 0;
     /// Whether the 512-bit one-row kernel also requests each line into the second-level cache
-    /// from `zmm::L2_AHEAD` bytes ahead. Not for Q8_0: with it, the 0.5B's Q8_0 LM head
+    /// from `avx512_row::L2_AHEAD` bytes ahead. Not for Q8_0: with it, the 0.5B's Q8_0 LM head
     /// streamed at 32.1–33.1 GB/s at batch 1, without it at 35.3–36.7 (three alternated runs;
     /// the model 84–85 against 86–89 % of the roofline).
     const ROW_L2: bool = true;
@@ -54,7 +54,7 @@ pub trait SimpleX8: Copy + Send + Sync + 'static {
     /// The CPU must support AVX-512 (F, BW).
     #[cfg(target_arch = "x86_64")]
     unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8];
-    /// The block's values for the 512-bit one-row kernel (`x8::zmm`), unsigned: register `s`
+    /// The block's values for the 512-bit one-row kernel (`interleaved::avx512_row`), unsigned: register `s`
     /// holds values `8s..8s + 4` of the eight rows in lanes 0–7 and `8s + 4..8s + 8` in
     /// lanes 8–15, `OFFSET` above the true values (128 for the signed Q8_0).
     ///

@@ -132,7 +132,7 @@ impl Interleaved for BlockQ6Kx8 {
     amx_pair!(amx::pair_tile);
 }
 
-/// Q6_K on 512-bit registers, one activation row (see `x8::zmm`): a register holds the same
+/// Q6_K on 512-bit registers, one activation row (see `interleaved::avx512_row`): a register holds the same
 /// byte of positions `4g..4g + 4` (lanes 0–7) and `4g + 4..4g + 8` (lanes 8–15) of a group of
 /// four sub-blocks, so the three whole values and the fourth built from the three top bit pairs
 /// come out for eight positions at once; the four sub-blocks' activations sit in two
@@ -142,8 +142,8 @@ impl Interleaved for BlockQ6Kx8 {
 mod zmm {
     use std::arch::x86_64::*;
 
-    use super::super::amx::{bytes8, join};
-    use super::super::zmm::{fold, prefetch_row_line, word_pair};
+    use super::super::amx_tiles::{bytes8, join};
+    use super::super::avx512_row::{fold, prefetch_row_line, word_pair};
     use super::{avx2, q_index, ActBlockK, BlockQ6Kx8, ROWS};
 
     /// As [`Interleaved::row_zmm`](super::Interleaved::row_zmm).
@@ -374,7 +374,7 @@ mod avx2 {
     }
 }
 
-/// Q6_K through AMX tiles (see `x8::amx`): as Q4_K's, with a product 16 values deep for each of
+/// Q6_K through AMX tiles (see `interleaved::amx_tiles`): as Q4_K's, with a product 16 values deep for each of
 /// a super-block's 16 scales; the -32 of every value comes back once a super-block through the
 /// activations' 16-value sums, as in the AVX2 tile, so the product is the VNNI kernels' bit
 /// for bit.
@@ -382,17 +382,17 @@ mod avx2 {
 mod amx {
     use std::arch::x86_64::*;
 
-    use super::super::amx::{
+    use super::super::amx_tiles::{
         add_scaled, bytes8, halves, prefetch_pair, scratch, store_rows, Scratch,
     };
     use super::avx2::values;
     use super::{ActBlockK, BlockQ6Kx8};
     use crate::kernels::qmatmul::amx::{self as tiles, TILE_COLS, TILE_ROWS};
 
-    /// As `x8::amx::pair_tile`, for Q6_K.
+    /// As `interleaved::amx_tiles::pair_tile`, for Q6_K.
     ///
     /// # Safety
-    /// As `x8::amx::pair_tile`'s, inside `with_tiles` 16 bytes deep.
+    /// As `interleaved::amx_tiles::pair_tile`'s, inside `with_tiles` 16 bytes deep.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn pair_tile(
         w: [&[BlockQ6Kx8]; 2],

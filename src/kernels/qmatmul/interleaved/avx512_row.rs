@@ -14,7 +14,7 @@
 
 use std::arch::x86_64::*;
 
-use super::simple_trait::{add_block, SimpleX8};
+use super::block32_trait::{add_block, SimpleX8};
 use super::{prefetch_at, ROWS};
 use crate::kernels::qmatmul::ActBlock;
 

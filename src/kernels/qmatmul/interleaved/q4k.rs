@@ -119,7 +119,7 @@ impl Interleaved for BlockQ4Kx8 {
     amx_pair!(amx::pair_tile);
 }
 
-/// Q4_K through AMX tiles (see `x8::amx`): a super-block's eight sub-blocks are a stretch,
+/// Q4_K through AMX tiles (see `interleaved::amx_tiles`): a super-block's eight sub-blocks are a stretch,
 /// unpacked, multiplied and scaled in three passes; each sub-block's sums take its integer
 /// scales in 32-bit lanes and each super-block ends with the AVX2 tile's float step, so the
 /// product is the VNNI kernels' bit for bit.
@@ -127,16 +127,16 @@ impl Interleaved for BlockQ4Kx8 {
 mod amx {
     use std::arch::x86_64::*;
 
-    use super::super::amx::{
+    use super::super::amx_tiles::{
         add_scaled, bytes8, halves, join, prefetch_pair, scratch, store_rows, Scratch,
     };
     use super::{ActBlockK, BlockQ4Kx8};
     use crate::kernels::qmatmul::amx::{self as tiles, TILE_COLS, TILE_ROWS};
 
-    /// As `x8::amx::pair_tile`, for Q4_K.
+    /// As `interleaved::amx_tiles::pair_tile`, for Q4_K.
     ///
     /// # Safety
-    /// As `x8::amx::pair_tile`'s.
+    /// As `interleaved::amx_tiles::pair_tile`'s.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn pair_tile(
         w: [&[BlockQ4Kx8]; 2],
@@ -203,7 +203,7 @@ mod amx {
     }
 }
 
-/// Q4_K on 512-bit registers, one activation row (see `x8::zmm`): a register holds two
+/// Q4_K on 512-bit registers, one activation row (see `interleaved::avx512_row`): a register holds two
 /// consecutive 32-byte chunks of a block, whose low nibbles are eight values of sub-block `2p`
 /// and high nibbles eight of `2p + 1`; the two sub-blocks' 64 activation bytes sit in one
 /// register for `vpermd`. The scales apply to both halves at once, the halves are added once a
@@ -212,8 +212,8 @@ mod amx {
 mod zmm {
     use std::arch::x86_64::*;
 
-    use super::super::amx::bytes8;
-    use super::super::zmm::{fold, prefetch_row_line, word_pair};
+    use super::super::amx_tiles::bytes8;
+    use super::super::avx512_row::{fold, prefetch_row_line, word_pair};
     use super::{avx2, ActBlockK, BlockQ4Kx8, ROWS};
 
     /// As [`Interleaved::row_zmm`](super::Interleaved::row_zmm).

@@ -13,8 +13,8 @@
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
-use super::simple_trait::add_block;
-use super::simple_trait::SimpleX8;
+use super::block32_trait::add_block;
+use super::block32_trait::SimpleX8;
 use super::{Interleaved, ROWS};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::qmatmul::ByteDot;
@@ -88,11 +88,11 @@ impl<S: SimpleX8> Interleaved for S {
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn row_zmm(w: &[Self], acts: &[ActBlock], kb: usize, sums: &mut [f32; ROWS]) {
-        super::zmm::simple_row(w, acts, kb, sums)
+        super::avx512_row::simple_row(w, acts, kb, sums)
     }
 
     const AMX_MIN_ROWS: usize = S::AMX_MIN_ROWS;
-    amx_pair!(super::amx::pair_tile);
+    amx_pair!(super::amx_tiles::pair_tile);
 }
 
 /// Eight Q4_0 blocks: values `0..15`, less 8.
@@ -172,13 +172,13 @@ impl SimpleX8 for BlockQ4_0x8 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8] {
-        super::amx::nibble_rows(pair.map(|b| &b.qs))
+        super::amx_tiles::nibble_rows(pair.map(|b| &b.qs))
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn zmm_values(&self) -> [std::arch::x86_64::__m512i; 4] {
-        super::zmm::nibble_values(&self.qs)
+        super::avx512_row::nibble_values(&self.qs)
     }
 }
 
@@ -221,13 +221,13 @@ impl SimpleX8 for BlockQ4_1x8 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8] {
-        super::amx::nibble_rows(pair.map(|b| &b.qs))
+        super::amx_tiles::nibble_rows(pair.map(|b| &b.qs))
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn zmm_values(&self) -> [std::arch::x86_64::__m512i; 4] {
-        super::zmm::nibble_values(&self.qs)
+        super::avx512_row::nibble_values(&self.qs)
     }
 }
 
@@ -277,9 +277,9 @@ impl SimpleX8 for BlockQ5_0x8 {
     #[inline(always)]
     unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8] {
         use std::arch::x86_64::*;
-        let mut rows = super::amx::nibble_rows(pair.map(|b| &b.qs));
+        let mut rows = super::amx_tiles::nibble_rows(pair.map(|b| &b.qs));
         // Bit `g` of each lane's `qh` byte is the fifth bit of row `g`'s byte in that lane.
-        let qh = super::amx::join(pair[0].qh.as_ptr(), pair[1].qh.as_ptr());
+        let qh = super::amx_tiles::join(pair[0].qh.as_ptr(), pair[1].qh.as_ptr());
         let sixteen = _mm512_set1_epi8(16);
         for (g, row) in rows.iter_mut().enumerate() {
             let set = _mm512_test_epi8_mask(qh, _mm512_set1_epi8((1u8 << g) as i8));
@@ -292,7 +292,7 @@ impl SimpleX8 for BlockQ5_0x8 {
     #[inline(always)]
     unsafe fn zmm_values(&self) -> [std::arch::x86_64::__m512i; 4] {
         use std::arch::x86_64::*;
-        let mut values = super::zmm::nibble_values(&self.qs);
+        let mut values = super::avx512_row::nibble_values(&self.qs);
         // Bit `g` of each lane's `qh` byte is the fifth bit of the value of group `g` in that
         // lane: a 32-bit rotation left by `4 - g` (mod 32) moves it to bit 4 of the same byte
         // in every byte of the lane at once.
@@ -300,7 +300,8 @@ impl SimpleX8 for BlockQ5_0x8 {
         let bit4 = _mm512_set1_epi8(0x10);
         for (s, v) in values.iter_mut().enumerate() {
             let g = 2 * s as i32;
-            let fifth = _mm512_rolv_epi32(qh, super::zmm::per_half((4 - g) & 31, (3 - g) & 31));
+            let fifth =
+                _mm512_rolv_epi32(qh, super::avx512_row::per_half((4 - g) & 31, (3 - g) & 31));
             // v | (fifth & bit4)
             *v = _mm512_ternarylogic_epi32::<0xF8>(*v, fifth, bit4);
         }
@@ -395,7 +396,7 @@ impl SimpleX8 for BlockQ8_0x8 {
     #[inline(always)]
     unsafe fn amx_rows(pair: [&Self; 2]) -> [std::arch::x86_64::__m512i; 8] {
         let at = |b: &Self, g: usize| b.qs.as_ptr().add(32 * g) as *const u8;
-        std::array::from_fn(|g| super::amx::join(at(pair[0], g), at(pair[1], g)))
+        std::array::from_fn(|g| super::amx_tiles::join(at(pair[0], g), at(pair[1], g)))
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -407,7 +408,7 @@ impl SimpleX8 for BlockQ8_0x8 {
             // lines (one row through 4864 × 896 and 151936 × 896 matrices streamed at 84 and
             // 88 % of a plain read that way, 85 and 88–90 % in halves).
             let at = self.qs.as_ptr().add(64 * s) as *const u8;
-            let q = super::amx::join(at, at.add(32));
+            let q = super::amx_tiles::join(at, at.add(32));
             _mm512_xor_si512(q, _mm512_set1_epi8(i8::MIN))
         })
     }

@@ -13,9 +13,14 @@
 //!
 //! A batch of `m` rows is taken in tiles of up to [`Interleaved::TILE_ROWS`] activation rows,
 //! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`). With
-//! AVX-512 VNNI a tile of one row takes the 512-bit kernels of `zmm` (and of `q4k` / `q6k`),
-//! and with AMX products of [`Interleaved::AMX_MIN_ROWS`] rows or more take the tiles of
-//! `amx`; every path gives a row's product the same bits.
+//! AVX-512 VNNI a tile of one row takes the 512-bit kernels of `avx512_row` (and of `q4k` /
+//! `q6k`), and with AMX products of [`Interleaved::AMX_MIN_ROWS`] rows or more take the tiles
+//! of `amx_tiles`; every path gives a row's product the same bits.
+//!
+//! Files: one per block format (`block32` for Q4_0, Q4_1, Q5_0 and Q8_0 with the contract their
+//! kernels read in `block32_trait`; `q4k`, `q6k` with their own 512-bit and AMX kernels beside
+//! their layouts), one per instruction set's kernels for the 32-value formats (`avx512_row`,
+//! `amx_tiles`, whose helpers the K-quants share), and `gated` for the fused SiLU·gate.
 
 use std::ops::Range;
 
@@ -125,7 +130,7 @@ macro_rules! amx_pair {
         #[cfg(target_arch = "x86_64")]
         unsafe fn amx_pair(
             w: [&[Self]; 2],
-            acts: &[crate::kernels::qmatmul::x8::Act<Self>],
+            acts: &[crate::kernels::qmatmul::interleaved::Act<Self>],
             kb: usize,
             rows: usize,
             stream: bool,
@@ -137,18 +142,18 @@ macro_rules! amx_pair {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod amx;
+mod amx_tiles;
+#[cfg(target_arch = "x86_64")]
+mod avx512_row;
+mod block32;
+mod block32_trait;
 mod gated;
 mod q4k;
 mod q6k;
-mod simple;
-mod simple_trait;
-#[cfg(target_arch = "x86_64")]
-mod zmm;
+pub use block32::{BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ8_0x8};
 pub use gated::GatedPacked;
 pub use q4k::BlockQ4Kx8;
 pub use q6k::BlockQ6Kx8;
-pub use simple::{BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ8_0x8};
 
 /// Weight rows interleaved in one block.
 pub const ROWS: usize = 8;
@@ -193,7 +198,7 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     /// ([`row_zmm`](Self::row_zmm)).
     const ROW_ZMM: bool = false;
     /// `sums[i]` = the activation row `acts` (`kb` blocks) · weight row `i` of the group `w`
-    /// (`kb` blocks), on AVX-512 VNNI's 512-bit registers (see `x8::zmm`): the same bits as
+    /// (`kb` blocks), on AVX-512 VNNI's 512-bit registers (see `interleaved::avx512_row`): the same bits as
     /// [`tile_simd`](Self::tile_simd)'s one-row tile.
     ///
     /// # Safety
@@ -223,7 +228,7 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     /// `sums[r][c]` for `r < rows` (1 to 16) = activation row `r` (`kb` blocks each in
     /// `acts`) · weight row `c` of the pair of groups `w` (`w[0]`'s eight rows, then
     /// `w[1]`'s, `kb` blocks each), through AMX tiles; `stream`: the product's rows fit one
-    /// tile, so its weights come from memory once (see `amx::prefetch_pair`).
+    /// tile, so its weights come from memory once (see `amx_tiles::prefetch_pair`).
     ///
     /// # Safety
     /// [`Isa::Amx`] must be available and `AMX` true; it runs inside
@@ -429,10 +434,10 @@ impl<P: Interleaved> PackedMatrix<P> {
         let groups = self.rows / ROWS;
         let group = |g: usize| &self.blocks[g * kb..(g + 1) * kb];
         // A decode batch (one tile of rows) reads each weight once, from memory: its tiles
-        // request their weights as the one-row kernels do (`amx::prefetch_pair`).
+        // request their weights as the one-row kernels do (`amx_tiles::prefetch_pair`).
         let stream = m <= AMX_TILE;
         let ahead = if stream {
-            zmm::AHEAD
+            avx512_row::AHEAD
         } else {
             P::PREFETCH_AHEAD
         };
@@ -530,7 +535,7 @@ unsafe fn prefetch_line<P: Interleaved>(block: &P, line: usize) {
 
 /// The request of a `D` tile of `rows` activation rows for line `line` of `block` (as
 /// [`prefetch_line`] counts): where [`ByteDot::L2_REQUESTS`] and `rows` is at most the format's
-/// [`Interleaved::L2_TILE_ROWS`], the 512-bit one-row kernels' ([`zmm::prefetch_row_line`]),
+/// [`Interleaved::L2_TILE_ROWS`], the 512-bit one-row kernels' ([`avx512_row::prefetch_row_line`]),
 /// else [`prefetch_line`]. These tiles multiply two to seven rows (AMX takes more), and their
 /// arithmetic takes half the time their weights take to stream or more, so their stream, like
 /// one row's, wants more lines on their way than L1's requests keep. Batches of 2 decoded at
@@ -545,7 +550,7 @@ unsafe fn tile_prefetch_line<P: Interleaved, D: crate::kernels::qmatmul::ByteDot
     rows: usize,
 ) {
     if D::L2_REQUESTS && rows <= P::L2_TILE_ROWS {
-        zmm::prefetch_row_line(block, line);
+        avx512_row::prefetch_row_line(block, line);
     } else {
         prefetch_line(block, line);
     }
@@ -562,12 +567,12 @@ unsafe fn prefetch_at<const HINT: i32, P>(block: &P, ahead: usize, line: usize) 
 
 /// The bytes ahead that a product outside the AMX tiles requests its weights with `isa`: with
 /// AVX-512 VNNI (`amx` included) the 512-bit one-row kernels' and the tiles' distance
-/// ([`zmm::AHEAD`]; the K-quants' tiles of more rows than `L2_TILE_ROWS` keep their own, the
+/// ([`avx512_row::AHEAD`]; the K-quants' tiles of more rows than `L2_TILE_ROWS` keep their own, the
 /// same 3 KB), else the format's.
 fn prefetch_ahead_for<P: Interleaved>(isa: Isa) -> usize {
     #[cfg(target_arch = "x86_64")]
     if matches!(isa, Isa::Avx512Vnni | Isa::Amx) {
-        return zmm::AHEAD;
+        return avx512_row::AHEAD;
     }
     let _ = isa;
     P::PREFETCH_AHEAD
