@@ -10,11 +10,8 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Module, Tensor};
 
 use super::error::{ModelError, Result};
-use crate::kernels::qmatmul::{
-    BlockQ4K, BlockQ4Kx8, BlockQ4_0, BlockQ4_0x8, BlockQ4_1, BlockQ4_1x8, BlockQ5_0, BlockQ5_0x8,
-    BlockQ6K, BlockQ6Kx8, BlockQ8_0, BlockQ8_0x8, GatedPacked, PackedMatrix, QuantKernel,
-    QuantMatrix, WeightBlock,
-};
+pub use crate::kernels::qmatmul::registry::OwnKernel;
+use crate::kernels::qmatmul::registry::{self, Format};
 
 pub trait WeightSource {
     /// A `[rows, cols]` (out, in) matrix, kept quantized when the checkpoint is.
@@ -144,74 +141,32 @@ pub enum Matmul {
     Own(Box<dyn OwnKernel>),
 }
 
-/// Our quantized kernel, whatever its block format.
-pub trait OwnKernel: Send + Sync {
-    fn out_features(&self) -> usize;
-    fn in_features(&self) -> usize;
-    fn matmul(&self, x: &[f32], out: &mut [f32]);
-    /// The product in a new vector (`out_features` values per row of `x`).
-    fn matmul_vec(&self, x: &[f32]) -> Vec<f32>;
-    /// Row `row` dequantized into `out` (`in_features` values), where the layout supports it.
-    fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool;
-    /// Has idle compute threads request the weights ahead of the next product.
-    fn prefetch_ahead(&self);
+/// The format of a ggml type our kernels multiply, if they do.
+fn format_of(dtype: GgmlDType) -> Option<Format> {
+    Some(match dtype {
+        GgmlDType::Q4_0 => Format::Q4_0,
+        GgmlDType::Q4_1 => Format::Q4_1,
+        GgmlDType::Q5_0 => Format::Q5_0,
+        GgmlDType::Q8_0 => Format::Q8_0,
+        GgmlDType::Q4K => Format::Q4K,
+        GgmlDType::Q6K => Format::Q6K,
+        _ => return None,
+    })
 }
 
-impl<K: QuantKernel> OwnKernel for K {
-    fn out_features(&self) -> usize {
-        self.rows()
-    }
-    fn in_features(&self) -> usize {
-        self.cols()
-    }
-    fn matmul(&self, x: &[f32], out: &mut [f32]) {
-        QuantKernel::matmul(self, x, out)
-    }
-    fn matmul_vec(&self, x: &[f32]) -> Vec<f32> {
-        QuantKernel::matmul_vec(self, x)
-    }
-    fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool {
-        QuantKernel::dequantize_row(self, row, out)
-    }
-    fn prefetch_ahead(&self) {
-        QuantKernel::prefetch_ahead(self)
-    }
-}
-
-/// `$kernel::<P>::from_bytes($args)` for the interleaved format `P` of ggml type `$dtype`,
-/// boxed; `None` for a type without one, or where `from_bytes` refuses the shape.
-macro_rules! interleaved {
-    ($dtype:expr, $kernel:ident, ($($arg:expr),*)) => {{
-        fn boxed<K: QuantKernel + 'static>(k: K) -> Box<dyn OwnKernel> {
-            Box::new(k)
-        }
-        match $dtype {
-            GgmlDType::Q4_0 => $kernel::<BlockQ4_0x8>::from_bytes($($arg),*).map(boxed),
-            GgmlDType::Q4_1 => $kernel::<BlockQ4_1x8>::from_bytes($($arg),*).map(boxed),
-            GgmlDType::Q5_0 => $kernel::<BlockQ5_0x8>::from_bytes($($arg),*).map(boxed),
-            GgmlDType::Q8_0 => $kernel::<BlockQ8_0x8>::from_bytes($($arg),*).map(boxed),
-            GgmlDType::Q4K => $kernel::<BlockQ4Kx8>::from_bytes($($arg),*).map(boxed),
-            GgmlDType::Q6K => $kernel::<BlockQ6Kx8>::from_bytes($($arg),*).map(boxed),
-            _ => None,
-        }
-    }};
-}
-
-/// Our kernel on a copy of `bytes` (a `[rows, cols]` matrix of `dtype`) repacked for it: every
-/// format our kernels take, with whole groups of eight rows, interleaved (an exact repack; see
-/// `kernels::qmatmul::interleaved`). `None` for other types and shapes.
+/// Our kernel on a copy of `bytes` (a `[rows, cols]` matrix of `dtype`) repacked for it
+/// ([`registry::packed`]). `None` for other types and shapes.
 pub fn packed_kernel(
     dtype: GgmlDType,
     rows: usize,
     cols: usize,
     bytes: &[u8],
 ) -> Option<Box<dyn OwnKernel>> {
-    interleaved!(dtype, PackedMatrix, (rows, cols, bytes))
+    registry::packed(format_of(dtype)?, rows, cols, bytes)
 }
 
-/// The gate and up matrices of a feed-forward layer (`[rows, cols]` each, of `dtype`) as one
-/// kernel whose product is `silu(x · gateᵀ) · (x · upᵀ)` (see `GatedPacked`): every format
-/// our interleaved kernels take, `rows` a multiple of 8. `None` for other types and shapes.
+/// The gate and up matrices of a feed-forward layer as one kernel ([`registry::gated`]).
+/// `None` for other types and shapes.
 pub fn gated_kernel(
     dtype: GgmlDType,
     rows: usize,
@@ -219,7 +174,7 @@ pub fn gated_kernel(
     gate: &[u8],
     up: &[u8],
 ) -> Option<Box<dyn OwnKernel>> {
-    interleaved!(dtype, GatedPacked, (rows, cols, gate, up))
+    registry::gated(format_of(dtype)?, rows, cols, gate, up)
 }
 
 /// A CPU tensor's quantized bytes, shared with candle rather than copied.
@@ -243,29 +198,11 @@ fn own_kernel(q: &Arc<QTensor>, backend: MatmulBackend) -> Result<Option<Matmul>
     let Ok((rows, cols)) = q.shape().dims2() else {
         return Ok(None);
     };
-    // A repacked copy where there is one (the ggml bytes are dropped with `q` unless the
-    // tensor is also the embedding), else the ggml bytes read in place.
-    if let Some(packed) = packed_kernel(q.dtype(), rows, cols, TensorBytes(q.clone()).as_ref()) {
-        return Ok(Some(Matmul::Own(packed)));
-    }
-    fn boxed<B: WeightBlock>(
-        q: &Arc<QTensor>,
-        rows: usize,
-        cols: usize,
-    ) -> Option<Box<dyn OwnKernel>> {
-        QuantMatrix::<B>::in_place(rows, cols, TensorBytes(q.clone()))
-            .map(|m| Box::new(m) as Box<dyn OwnKernel>)
-    }
-    Ok(match q.dtype() {
-        GgmlDType::Q4_0 => boxed::<BlockQ4_0>(q, rows, cols),
-        GgmlDType::Q4_1 => boxed::<BlockQ4_1>(q, rows, cols),
-        GgmlDType::Q5_0 => boxed::<BlockQ5_0>(q, rows, cols),
-        GgmlDType::Q8_0 => boxed::<BlockQ8_0>(q, rows, cols),
-        GgmlDType::Q4K => boxed::<BlockQ4K>(q, rows, cols),
-        GgmlDType::Q6K => boxed::<BlockQ6K>(q, rows, cols),
-        _ => None,
-    }
-    .map(Matmul::Own))
+    let Some(format) = format_of(q.dtype()) else {
+        return Ok(None);
+    };
+    // A repacked copy drops the ggml bytes with `q` (unless the tensor is also the embedding).
+    Ok(registry::kernel(format, rows, cols, TensorBytes(q.clone())).map(Matmul::Own))
 }
 
 impl Matmul {

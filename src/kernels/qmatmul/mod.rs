@@ -20,6 +20,8 @@
 //!   the row-major 32-value ones, the row-major K-quants keep their AVX2 arithmetic) where
 //!   present, else a portable scalar path with the same block arithmetic.
 //!   `tests/emulated_isa.rs` runs the VNNI paths on emulated CPUs.
+//! * [`registry`] is the one place a matrix gets its kernel (the layout and block type for its
+//!   format and shape); the model layer names formats, never block types.
 //! * No allocation per call beyond a thread-local scratch buffer that grows to the largest
 //!   batch seen (and the output vector, for [`QuantKernel::matmul_vec`]).
 
@@ -37,6 +39,7 @@ pub use avx2::{Avx2Dot, Avx512VnniDot, AvxVnniDot, ByteDot};
 mod interleaved;
 mod isa;
 mod kquants;
+pub mod registry;
 use acts::quantize_rows;
 pub use acts::{quantize_i8, quantize_i8_scalar, quantize_row, ActBlock, ActFormat};
 pub use blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, SimpleBlock};
