@@ -77,10 +77,6 @@ impl Pool {
         }
     }
 
-    pub fn num_blocks(&self) -> usize {
-        self.blocks.len()
-    }
-
     /// Blocks an allocation may take: free ones and cached ones nobody uses.
     pub fn available(&self) -> usize {
         self.free.len() + self.evictable.len()
@@ -223,10 +219,6 @@ impl BlockPool {
     /// Reads the state (the prefix index, for publication).
     pub(super) fn with<R>(&self, f: impl FnOnce(&Pool) -> R) -> R {
         f(&self.lock())
-    }
-
-    pub fn num_blocks(&self) -> usize {
-        self.lock().num_blocks()
     }
 
     /// Blocks an allocation may take: free ones and cached ones nobody uses.
