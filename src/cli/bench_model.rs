@@ -13,7 +13,7 @@ use tokenrouter::kernels::large_buf::{self, LargeBuf};
 use tokenrouter::kernels::parallel::for_each_range;
 use tokenrouter::model::profile::{measure, measure_with, warm_up, Throughput, Workload};
 use tokenrouter::model::random::{self, RandomSource};
-use tokenrouter::model::timing::{set_breakdown, Breakdown, PROJECTIONS};
+use tokenrouter::model::timing::{set_breakdown, Breakdown, KernelTime, PROJECTIONS};
 use tokenrouter::model::{KvDtype, MatmulBackend, Model};
 
 #[derive(Args)]
@@ -275,6 +275,16 @@ impl Row {
                     .collect::<serde_json::Map<_, _>>(),
             });
         }
+        if !t.decode_kernels.is_empty() {
+            let list = |times: &[KernelTime]| {
+                times
+                    .iter()
+                    .map(|k| serde_json::json!({"name": k.name, "secs": k.secs, "launches": k.launches}))
+                    .collect::<Vec<_>>()
+            };
+            obj["prefill_kernels"] = list(&t.prefill_kernels).into();
+            obj["decode_kernels"] = list(&t.decode_kernels).into();
+        }
         obj
     }
 
@@ -324,7 +334,42 @@ impl Row {
                 .collect();
             println!("{:>6} the layers' matmuls: {}", "", each.join(", "));
         }
+        let prefill_secs = t.batch_tokens as f64 / t.prefill_tok_s;
+        print_kernels("prefill", &t.prefill_kernels, prefill_secs, 1);
+        let decode_secs: f64 = t.step_secs.iter().sum();
+        print_kernels("decode", &t.decode_kernels, decode_secs, t.step_secs.len());
     }
+}
+
+/// A GPU's device time per kernel over `wall` seconds of `steps` steps: the ten longest, in
+/// milliseconds per step, and how much of the wall time the device was busy.
+fn print_kernels(what: &str, times: &[KernelTime], wall: f64, steps: usize) {
+    if times.is_empty() {
+        return;
+    }
+    let busy: f64 = times.iter().map(|k| k.secs).sum();
+    let launches: usize = times.iter().map(|k| k.launches).sum();
+    let per_step = |secs: f64| 1e3 * secs / steps.max(1) as f64;
+    let top: Vec<String> = times
+        .iter()
+        .take(10)
+        .map(|k| {
+            format!(
+                "{} {:.3} ({}x)",
+                k.name,
+                per_step(k.secs),
+                k.launches / steps.max(1)
+            )
+        })
+        .collect();
+    println!(
+        "{:>6} {what}: device busy {:.2} of {:.2} ms per step ({} launches); ms per step: {}",
+        "",
+        per_step(busy),
+        per_step(wall),
+        launches / steps.max(1),
+        top.join(", ")
+    );
 }
 
 /// [`PROJECTIONS`] as the table names them, and as the JSON lines' keys.

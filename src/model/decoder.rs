@@ -119,6 +119,22 @@ impl Model {
         }
     }
 
+    /// Whether the model runs on a GPU.
+    pub fn on_gpu(&self) -> bool {
+        !matches!(self.inner, Inner::Cpu(_))
+    }
+
+    /// On a GPU, the device time of each kernel launched since the last call while the
+    /// breakdown was on ([`timing::set_breakdown`](super::timing::set_breakdown)), longest
+    /// first; empty on the CPU.
+    pub fn take_kernel_times(&self) -> Result<Vec<super::timing::KernelTime>> {
+        match &self.inner {
+            Inner::Cpu(_) => Ok(Vec::new()),
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(d) => d.backend.take_kernel_times(),
+        }
+    }
+
     /// A KV cache of `num_blocks` blocks of `block_size` positions on the model's device.
     pub fn kv_cache(
         &self,

@@ -78,6 +78,21 @@ pub fn set_breakdown(on: bool) {
     BREAKDOWN_ON.store(on, Ordering::Relaxed);
 }
 
+/// Whether the breakdown is on: a GPU backend then also times each kernel on the device.
+#[inline]
+pub fn breakdown_on() -> bool {
+    BREAKDOWN_ON.load(Ordering::Relaxed)
+}
+
+/// Device time of one kernel (or library call) over the launches since the last reading: a
+/// GPU runs asynchronously, so the host's wall time per part says little there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelTime {
+    pub name: String,
+    pub secs: f64,
+    pub launches: usize,
+}
+
 /// Runs `f`, adding its wall time to `part` when the breakdown is on.
 #[inline]
 pub fn timed<R>(part: Part, f: impl FnOnce() -> R) -> R {

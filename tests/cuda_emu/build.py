@@ -23,7 +23,8 @@ KERNELS = {
     "quant.cu": [f"dequant_rows_{f}" for f in FORMATS]
     + [f"dequant_f16_{f}" for f in FORMATS if f != "f16"]
     + [f"matvec_{f}" for f in FORMATS]
-    + ["f32_to_f16", "f32_to_bf16", "f16_to_f32"],
+    + [f"matmul_tc_{f}" for f in FORMATS]
+    + ["f32_to_f16", "f32_to_bf16", "f16_to_f32", "sum_slices"],
     "ops.cu": ["rms_norm", "add_rms_norm", "add_in_place", "add_bias", "silu_mul", "rotary",
                "copy_columns", "gather_rows"],
     "attention.cu": ["kv_write_f16", "paged_attention_f16"],
@@ -37,6 +38,8 @@ CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-shared", "-Wall", "-Wno-unknown-prag
 PTX_HOST = {
     'asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));': "f = emu_h2f(h);",
     'asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));': "h = emu_f2h(f);",
+    # Device-only (sm_80+) branch of mma_16816; the emulator compiles the shuffle branch.
+    'asm volatile("mma.sync.aligned.m16n8k16': 'MMA_SYNC_DEVICE_ONLY("mma.sync.aligned.m16n8k16',
 }
 
 

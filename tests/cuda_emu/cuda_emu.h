@@ -163,16 +163,18 @@ static void run_block(int nthreads) {
 }
 
 template <class F>
-static void launch(int grid, int block, F f) {
-    if (grid < 1) fail("gridDim.x < 1 (an invalid launch on a device)");
+static void launch(int gx, int gy, int gz, int block, F f) {
+    if (gx < 1 || gy < 1 || gz < 1) fail("a grid dimension < 1 (an invalid launch on a device)");
     if (block < 32 || block > 1024 || block % 32) fail("blockDim.x not a multiple of 32 in 32..=1024");
     body = f;
-    gridDim = {(unsigned)grid, 1, 1};
+    gridDim = {(unsigned)gx, (unsigned)gy, (unsigned)gz};
     blockDim = {(unsigned)block, 1, 1};
-    for (int b = 0; b < grid; b++) {
-        blockIdx = {(unsigned)b, 0, 0};
-        run_block(block);
-    }
+    for (int z = 0; z < gz; z++)
+        for (int y = 0; y < gy; y++)
+            for (int x = 0; x < gx; x++) {
+                blockIdx = {(unsigned)x, (unsigned)y, (unsigned)z};
+                run_block(block);
+            }
     body = nullptr;
 }
 }  // namespace emu
@@ -204,12 +206,13 @@ static inline T __shfl_sync(unsigned m, T v, int s) {
 }
 
 // EMU_EXPORT(kernel) exports `void* L_kernel`, the address of a host function
-// void(int grid, int block, <the kernel's arguments>) that runs the launch.
+// void(int grid_x, int grid_y, int grid_z, int block, <the kernel's arguments>) that runs
+// the launch.
 template <class K> struct Launcher;
 template <class... A> struct Launcher<void (*)(A...)> {
     template <void (*K)(A...)>
-    static void run(int grid, int block, A... a) {
-        emu::launch(grid, block, [&]() { K(a...); });
+    static void run(int gx, int gy, int gz, int block, A... a) {
+        emu::launch(gx, gy, gz, block, [&]() { K(a...); });
     }
 };
 #define EMU_EXPORT(name) \

@@ -38,9 +38,10 @@ def kernel(fname, name, sig):
     gives the kinds of its arguments, one letter each (see _CTYPES), and must match the
     kernel's C signature."""
     addr = ctypes.c_void_p.in_dll(_lib(fname), "L_" + name).value
-    fn = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int, *[_CTYPES[c] for c in sig])(addr)
+    fn = ctypes.CFUNCTYPE(None, *[ctypes.c_int] * 4, *[_CTYPES[c] for c in sig])(addr)
 
     def call(grid, block, *args):
+        """`grid`: the number of blocks, or an (x, y, z) tuple."""
         assert len(args) == len(sig), f"{name}: {len(args)} arguments for {len(sig)}"
         conv = []
         for kind, a in zip(sig, args):
@@ -50,7 +51,8 @@ def kernel(fname, name, sig):
                 conv.append(None if a is None else ctypes.c_void_p(a.ctypes.data))
             else:
                 conv.append(a)
-        fn(grid, block, *conv)
+        gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
+        fn(gx, gy, gz, block, *conv)
 
     return call
 

@@ -183,7 +183,8 @@ pub fn kernels() -> Vec<(&'static str, Vec<String>)> {
     let mut quant = per_format("dequant_rows", &[]);
     quant.extend(per_format("dequant_f16", &["f16"]));
     quant.extend(per_format("matvec", &[]));
-    quant.extend(["f32_to_f16", "f32_to_bf16", "f16_to_f32"].map(String::from));
+    quant.extend(per_format("matmul_tc", &[]));
+    quant.extend(["f32_to_f16", "f32_to_bf16", "f16_to_f32", "sum_slices"].map(String::from));
     let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     vec![
         ("quant", quant),

@@ -115,3 +115,45 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     v = (lane < nwarps) ? scratch[lane] : neg_inf_f32();
     return warp_max(v);
 }
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core product of one warp: m16n8k16, f16 operands, f32 accumulation
+// ---------------------------------------------------------------------------------------
+
+// d (4 floats) += A (16 x 16) * B (16 x 8), every lane of the warp calling, in the fragment
+// layout of PTX's mma.m16n8k16 (g = lane / 4, t = lane % 4; each register two f16 values,
+// the lower index in the low half):
+//   a[0] = A[g][2t, 2t+1]      a[1] = A[g+8][2t, 2t+1]
+//   a[2] = A[g][2t+8, 2t+9]    a[3] = A[g+8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1][g]      b[1] = B[2t+8, 2t+9][g]
+//   d[0], d[1] = D[g][2t, 2t+1]    d[2], d[3] = D[g+8][2t, 2t+1]
+// On sm_80 and later it is one mma.sync instruction; elsewhere (and on the CPU emulator) the
+// same sums from the other lanes' registers by shuffles.
+__device__ __forceinline__ void mma_16816(float* d, const unsigned int* a, const unsigned int* b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll 1
+    for (int k = 0; k < 16; k++) {
+        const int hi = k >= 8 ? 1 : 0;       // which register pair holds column k
+        const int src = (k & 7) >> 1;        // the t of the lanes holding column / row k
+        const int shift = (k & 1) * 16;      // which half
+        // A[g][k] and A[g+8][k], from lane g * 4 + src.
+        const unsigned int top = __shfl_sync(0xffffffffu, a[2 * hi], g * 4 + src);
+        const unsigned int bottom = __shfl_sync(0xffffffffu, a[2 * hi + 1], g * 4 + src);
+        // B[k][2t] and B[k][2t+1], from lanes (2t) * 4 + src and (2t + 1) * 4 + src.
+        const unsigned int left = __shfl_sync(0xffffffffu, b[hi], (2 * t) * 4 + src);
+        const unsigned int right = __shfl_sync(0xffffffffu, b[hi], (2 * t + 1) * 4 + src);
+        const float a0 = half_to_float((unsigned short)(top >> shift));
+        const float a1 = half_to_float((unsigned short)(bottom >> shift));
+        const float b0 = half_to_float((unsigned short)(left >> shift));
+        const float b1 = half_to_float((unsigned short)(right >> shift));
+        d[0] = fmaf(a0, b0, d[0]);
+        d[1] = fmaf(a0, b1, d[1]);
+        d[2] = fmaf(a1, b0, d[2]);
+        d[3] = fmaf(a1, b1, d[3]);
+    }
+#endif
+}

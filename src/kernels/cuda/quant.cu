@@ -611,6 +611,146 @@ __device__ __forceinline__ void matvec_dispatch(const unsigned char* __restrict_
 }
 
 // ---------------------------------------------------------------------------------------
+// matmul_tc_*: y[b, r] = sum_c W[r, c] * x[b, c] on tensor cores, for decode batches
+// ---------------------------------------------------------------------------------------
+// Design: the matrix-vector kernel reads x once per weight unit and batch row, so above one
+// row it is bound by x's traffic, not the weights'. Here a CTA of 4 warps owns TC_BM = 32
+// output rows and BN (8, 16 or 32) batch rows and walks the columns in tiles of TC_BK = 256:
+// each tile's weights are decoded once (the same unit code as the other kernels) to f16 in
+// shared memory, x's tile (already f16) beside them, and the warps split the tile's 16 k-steps
+// (warp w takes steps w, w + 4, ...), each step 2 x BN / 8 mma.m16n8k16 over the whole output
+// tile; the four warps' sums meet in shared memory at the end. Rows of shared memory are
+// padded by 8 halves so a fragment's 32 lanes read 32 different banks. A grid with fewer CTAs
+// than the device has room for splits the columns into gridDim.z slices, each writing its
+// partial sums to its own [batch, rows] plane of y (summed by sum_slices).
+#define TC_BM 32
+#define TC_BK 256
+#define TC_LD (TC_BK + 8)  // halves per row of a shared-memory tile
+
+template <class F, int BN>
+__device__ __forceinline__ void matmul_tc_impl(const unsigned char* __restrict__ w,
+                                               const unsigned short* __restrict__ xh,
+                                               float* __restrict__ y, int rows, int cols,
+                                               int batch, int tiles_per_slice, float4* smem) {
+    unsigned short* ws = (unsigned short*)smem;
+    unsigned short* xs = ws + TC_BM * TC_LD;
+    constexpr int NT = BN / 8;           // n-tiles of 8 batch rows
+    constexpr int UNITS = TC_BK / 16;    // 16-value units per tile row
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * TC_BM;
+    const int n0 = blockIdx.y * BN;
+    const int ktiles = (cols + TC_BK - 1) / TC_BK;
+    const int kt0 = blockIdx.z * tiles_per_slice;
+    const int kt1 = min(ktiles, kt0 + tiles_per_slice);
+    const long long row_bytes = row_bytes_of<F>(cols);
+    float acc[2][NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0f;
+
+    for (int kt = kt0; kt < kt1; kt++) {
+        const int k0 = kt * TC_BK;
+        const int units = min(TC_BK, cols - k0) / 16;  // cols % 16 == 0
+        for (int i = threadIdx.x; i < TC_BM * UNITS; i += blockDim.x) {
+            const int r = i / UNITS;
+            const int uu = i - r * UNITS;
+            unsigned short* o = ws + r * TC_LD;
+            if (uu < units && row0 + r < rows) {
+                const int ub = uu / F::UNITS;  // block within the tile
+                const int u = uu - ub * F::UNITS;
+                const unsigned char* bp =
+                    w + (long long)(row0 + r) * row_bytes + (long long)(k0 / F::QK + ub) * F::BYTES;
+                float v[16];
+                int c0, c1;
+                unit_values<F>(bp, u, v, c0, c1);
+                o += ub * F::QK;
+                *(uint4*)(o + c0) = make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]),
+                                               pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+                *(uint4*)(o + c1) = make_uint4(pack_half2(v[8], v[9]), pack_half2(v[10], v[11]),
+                                               pack_half2(v[12], v[13]), pack_half2(v[14], v[15]));
+            } else {
+                // Past the matrix: zeros (a row's units cover its 16-column runs either way).
+                *(uint4*)(o + 16 * uu) = make_uint4(0u, 0u, 0u, 0u);
+                *(uint4*)(o + 16 * uu + 8) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        for (int i = threadIdx.x; i < BN * (TC_BK / 8); i += blockDim.x) {
+            const int n = i / (TC_BK / 8);
+            const int c8 = (i - n * (TC_BK / 8)) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (n0 + n < batch && c8 < units * 16)
+                v = *(const uint4*)(xh + (long long)(n0 + n) * cols + k0 + c8);
+            *(uint4*)(xs + n * TC_LD + c8) = v;
+        }
+        __syncthreads();
+        for (int ks = warp; ks < UNITS; ks += 4) {  // warp-uniform
+            const int kk = ks * 16;
+            unsigned int a[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                const unsigned short* ar = ws + (m * 16 + g) * TC_LD + kk + 2 * t;
+                a[m][0] = *(const unsigned int*)ar;
+                a[m][1] = *(const unsigned int*)(ar + 8 * TC_LD);
+                a[m][2] = *(const unsigned int*)(ar + 8);
+                a[m][3] = *(const unsigned int*)(ar + 8 * TC_LD + 8);
+            }
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const unsigned short* br = xs + (j * 8 + g) * TC_LD + kk + 2 * t;
+                const unsigned int b[2] = {*(const unsigned int*)br, *(const unsigned int*)(br + 8)};
+                mma_16816(acc[0][j], a[0], b);
+                mma_16816(acc[1][j], a[1], b);
+            }
+        }
+        __syncthreads();
+    }
+
+    // The warps' sums: red[warp][j][lane], j the fragment value, then each thread sums the
+    // values j = warp, warp + 4, ... of its lane over the warps.
+    constexpr int VALS = 2 * NT * 4;
+    float* red = (float*)smem;
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                red[(warp * VALS + (m * NT + j) * 4 + i) * 32 + lane] = acc[m][j][i];
+    __syncthreads();
+    float* plane = y + (long long)blockIdx.z * batch * rows;
+    for (int v = warp; v < VALS; v += 4) {
+        float s = 0.0f;
+        for (int k = 0; k < 4; k++) s += red[(k * VALS + v) * 32 + lane];
+        const int m = v / (NT * 4);
+        const int j = (v / 4) % NT;
+        const int i = v % 4;
+        const int r = row0 + m * 16 + g + (i >= 2 ? 8 : 0);
+        const int n = n0 + j * 8 + 2 * t + (i & 1);
+        if (r < rows && n < batch) plane[(long long)n * rows + r] = s;
+    }
+}
+
+template <class F>
+__device__ __forceinline__ void matmul_tc_dispatch(const unsigned char* __restrict__ w,
+                                                   const unsigned short* __restrict__ xh,
+                                                   float* __restrict__ y, int rows, int cols,
+                                                   int batch, int bn, int tiles_per_slice) {
+    // The weight tile, then x's tile for the largest BN; reused for the warps' sums at the end.
+    __shared__ float4 smem[(TC_BM + 32) * TC_LD * 2 / 16];
+    switch (bn) {
+        case 8: matmul_tc_impl<F, 8>(w, xh, y, rows, cols, batch, tiles_per_slice, smem); break;
+        case 16: matmul_tc_impl<F, 16>(w, xh, y, rows, cols, batch, tiles_per_slice, smem); break;
+        case 32: matmul_tc_impl<F, 32>(w, xh, y, rows, cols, batch, tiles_per_slice, smem); break;
+        default: break;  // any other bn: nothing is written (the caller must assert)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Kernels
 // ---------------------------------------------------------------------------------------
 // For every format F in {f32, f16, bf16, q4_0, q4_1, q5_0, q8_0, q4_k, q6_k}:
@@ -643,6 +783,17 @@ __device__ __forceinline__ void matvec_dispatch(const unsigned char* __restrict_
 //   load instruction touches one contiguous run of block bytes; a 4-warp CTA keeps the
 //   cross-warp reduction to one shared-memory step.
 //
+// matmul_tc_F(const unsigned char* w, const unsigned short* xh, float* y, int rows, int cols,
+//             int batch, int bn, int tiles_per_slice)
+//   Launch: grid = (ceil(rows / 32), ceil(batch / bn), slices), block = (128, 1, 1) (four
+//           warps, as the kernel assumes), dynamic shared memory = 0 (33 KiB static), where
+//           slices = ceil(ceil(cols / 256) / tiles_per_slice).
+//   Computes, for slice z = blockIdx.z, y[z, b, r] = sum over c in columns
+//   [256 z tiles_per_slice, 256 (z + 1) tiles_per_slice) of W[r, c] * x[b, c], for b < batch,
+//   r < rows; W is [rows, cols] in format F, xh is x in f16 bits [batch, cols], y is f32
+//   [slices, batch, rows]. bn is 8, 16 or 32 (batch rows per CTA); any other bn writes
+//   nothing. cols % 16 == 0 (the dense formats too). f16 products, f32 accumulation.
+//
 // f32_to_f16 / f32_to_bf16 / f16_to_f32 at the end of the file.
 
 #define QUANT_KERNELS(name, Fmt)                                                                \
@@ -656,6 +807,12 @@ __device__ __forceinline__ void matvec_dispatch(const unsigned char* __restrict_
                                              const float* __restrict__ x, float* __restrict__ y, \
                                              int rows, int cols, int batch) {                   \
         matvec_dispatch<Fmt>(w, x, y, rows, cols, batch);                                       \
+    }                                                                                           \
+    extern "C" __global__ void matmul_tc_##name(const unsigned char* __restrict__ w,            \
+                                                const unsigned short* __restrict__ xh,          \
+                                                float* __restrict__ y, int rows, int cols,      \
+                                                int batch, int bn, int tiles_per_slice) {       \
+        matmul_tc_dispatch<Fmt>(w, xh, y, rows, cols, batch, bn, tiles_per_slice);              \
     }
 
 #define DEQUANT_F16_KERNEL(name, Fmt)                                                           \
@@ -716,5 +873,19 @@ extern "C" __global__ void f16_to_f32(const unsigned short* __restrict__ x, floa
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         y[i] = half_to_float(x[i]);
+    }
+}
+
+// sum_slices(const float* parts, float* y, int slices, int n)
+//   Launch: as f32_to_f16.
+//   Computes y[i] = sum over z < slices of parts[z * n + i], in order of z, for i < n (the
+//   column slices of matmul_tc_*).
+extern "C" __global__ void sum_slices(const float* __restrict__ parts, float* __restrict__ y,
+                                      int slices, int n) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float s = 0.0f;
+        for (int z = 0; z < slices; z++) s += parts[(long long)z * n + i];
+        y[i] = s;
     }
 }

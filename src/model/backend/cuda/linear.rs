@@ -19,9 +19,13 @@ use crate::model::weights::Weight;
 /// larger batches go through the GEMM.
 pub const MAX_MATVEC_BATCH: usize = 8;
 
-/// Most rows multiplied with the matrix-vector kernel (in chunks of [`MAX_MATVEC_BATCH`]); more
-/// go through the GEMM.
-const MATVEC_ROWS: usize = 64;
+/// Most rows multiplied by the kernels that read the stored weights (matrix-vector, tensor
+/// cores); more go through the GEMM.
+const DIRECT_ROWS: usize = 64;
+
+/// Output rows and columns per tile of `matmul_tc_*` (`TC_BM`, `TC_BK` of `quant.cu`).
+const TC_ROWS: usize = 32;
+const TC_COLS: usize = 256;
 
 /// How a matrix is stored, named as its kernels' suffix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,13 +205,20 @@ impl DeviceMatrix {
         if rows == 0 {
             return Ok(y);
         }
-        // Up to `MATVEC_ROWS`, the matrix-vector kernel in chunks of its batch: each chunk
-        // reads the weights once more, which costs less than the GEMM path's f16 copy of them
-        // (written and read back) until about eight chunks.
-        // Float weights go to the GEMM as they are stored, with no copy to make.
+        // One row: the matrix-vector kernel, which reads each weight once and x from cache.
+        // More rows up to `DIRECT_ROWS`: the tensor-core kernel, which decodes each weight once
+        // per 32 rows (the matrix-vector kernel would be bound by reading x). More rows: the
+        // GEMM over an f16 copy, whose cost the rows share. Float weights go to the GEMM as
+        // they are stored, with no copy to make. Dense rows that are not whole 16-value units
+        // take the matrix-vector kernel's scalar path in chunks.
         let float = matches!(self.storage, Storage::F16(_) | Storage::F32(_));
-        if rows > MATVEC_ROWS || float && rows > MAX_MATVEC_BATCH {
+        let units = self.cols.is_multiple_of(16);
+        if rows > DIRECT_ROWS || float && rows > MAX_MATVEC_BATCH && !units {
             self.gemm(cuda, x, rows, &mut y)?;
+            return Ok(y);
+        }
+        if rows > 1 && units {
+            self.tensor_cores(cuda, x, rows, &mut y)?;
             return Ok(y);
         }
         let w = self.ptr(cuda);
@@ -232,6 +243,57 @@ impl DeviceMatrix {
         Ok(y)
     }
 
+    /// `matmul_tc_*`: `x` as `f16`, the weights decoded tile by tile, `f32` accumulation. A
+    /// grid with too few tiles to fill the device splits the columns into slices, summed after.
+    fn tensor_cores(
+        &self,
+        cuda: &Cuda,
+        x: &DeviceRows,
+        rows: usize,
+        y: &mut DeviceRows,
+    ) -> Result<()> {
+        let xh = cuda.to_f16(&x.buf, rows * self.cols)?;
+        let bn = match rows {
+            0..=8 => 8,
+            9..=16 => 16,
+            _ => 32,
+        };
+        let tiles = (self.rows.div_ceil(TC_ROWS), rows.div_ceil(bn));
+        let col_tiles = self.cols.div_ceil(TC_COLS);
+        // Four CTAs per multiprocessor keep enough loads in flight; a slice takes at least
+        // two column tiles.
+        let wanted = (4 * cuda.multiprocessors)
+            .div_ceil(tiles.0 * tiles.1)
+            .clamp(1, col_tiles.div_ceil(2).max(1));
+        let per_slice = col_tiles.div_ceil(wanted);
+        let slices = col_tiles.div_ceil(per_slice);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles.0 as u32, tiles.1 as u32, slices as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let w = self.ptr(cuda);
+        let name = format!("matmul_tc_{}", self.format.suffix());
+        let (r, c, b) = (self.rows as i32, self.cols as i32, rows as i32);
+        let (bn, per) = (bn as i32, per_slice as i32);
+        if slices == 1 {
+            return launch!(cuda, &name, cfg, &w, &xh, &mut y.buf, &r, &c, &b, &bn, &per);
+        }
+        let n = rows * self.rows;
+        let mut parts = cuda.uninit::<f32>(slices * n)?;
+        launch!(cuda, &name, cfg, &w, &xh, &mut parts, &r, &c, &b, &bn, &per)?;
+        let (s, n_i) = (slices as i32, int_count(n)?);
+        launch!(
+            cuda,
+            "sum_slices",
+            elementwise(n),
+            &parts,
+            &mut y.buf,
+            &s,
+            &n_i
+        )
+    }
+
     /// The tensor-core path: `f16` operands, `f32` accumulation.
     fn gemm(&self, cuda: &Cuda, x: &DeviceRows, rows: usize, y: &mut DeviceRows) -> Result<()> {
         let (n, k) = (self.rows, self.cols);
@@ -252,10 +314,7 @@ impl DeviceMatrix {
 
     /// The whole matrix as `f16`, row-major.
     fn dequantize_f16(&self, cuda: &Cuda) -> Result<CudaSlice<f16>> {
-        let mut out = cuda
-            .stream
-            .alloc_zeros::<f16>(self.rows * self.cols)
-            .map_err(device_err)?;
+        let mut out = cuda.uninit::<f16>(self.rows * self.cols)?;
         let w = self.ptr(cuda);
         let (r, c) = (self.rows as i32, self.cols as i32);
         let name = format!("dequant_f16_{}", self.format.suffix());
@@ -275,7 +334,7 @@ impl DeviceMatrix {
 impl Cuda {
     /// `n` values of `x` as `f16`.
     fn to_f16(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f16>> {
-        let mut out = self.stream.alloc_zeros::<f16>(n).map_err(device_err)?;
+        let mut out = self.uninit::<f16>(n)?;
         let count = int_count(n)?;
         launch!(self, "f32_to_f16", elementwise(n), x, &mut out, &count)?;
         Ok(out)
@@ -283,13 +342,16 @@ impl Cuda {
 }
 
 /// The type of a GEMM's operands; its output and accumulation are `f32` either way.
-#[derive(Clone, Copy)]
-enum Operands {
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum Operands {
     /// Tensor cores at their `f16` rate.
     F16,
     /// `f32` operands (TF32 tensor cores where cuBLASLt picks them).
     F32,
 }
+
+/// A GEMM's operands and sizes `(n, t, k)`, what cuBLASLt's choice of algorithm depends on.
+pub(super) type GemmShape = (Operands, usize, usize, usize);
 
 /// A cuBLASLt descriptor, destroyed when dropped.
 struct Lt<T: Copy>(T, unsafe fn(T) -> std::result::Result<(), lt::CublasError>);
@@ -366,33 +428,58 @@ impl Cuda {
         // describe (`w` n·k, `x` t·k, `y` t·n values) and stay alive until the stream reaches
         // the product (their guards are held across the call).
         unsafe {
-            let heuristic =
-                lt::get_matmul_algo_heuristic(handle, desc.0, a.0, b.0, c.0, c.0, pref.0)
-                    .map_err(err)?;
+            // cuBLASLt's heuristic costs more than a small product: asked once per shape.
+            let shape = (operands, n, t, k);
+            let cached = self
+                .algos
+                .lock()
+                .expect("no panic holds the lock")
+                .get(&shape)
+                .copied();
+            let algo = match cached {
+                Some(algo) => algo,
+                None => {
+                    let found =
+                        lt::get_matmul_algo_heuristic(handle, desc.0, a.0, b.0, c.0, c.0, pref.0)
+                            .map_err(err)?
+                            .algo;
+                    self.algos
+                        .lock()
+                        .expect("no panic holds the lock")
+                        .insert(shape, found);
+                    found
+                }
+            };
             let (alpha, beta) = (1f32, 0f32);
             let (w_ptr, _w) = w.device_ptr(&self.stream);
             let (x_ptr, _x) = x.device_ptr(&self.stream);
             let (y_ptr, _y) = y.device_ptr_mut(&self.stream);
             let (ws_ptr, _ws) = self.workspace.device_ptr(&self.stream);
-            lt::matmul(
-                handle,
-                desc.0,
-                (&alpha) as *const f32 as *const c_void,
-                (&beta) as *const f32 as *const c_void,
-                w_ptr as *const c_void,
-                a.0,
-                x_ptr as *const c_void,
-                b.0,
-                y_ptr as *const c_void,
-                c.0,
-                y_ptr as *mut c_void,
-                c.0,
-                &heuristic.algo,
-                ws_ptr as *mut c_void,
-                workspace,
-                self.stream.cu_stream() as *mut _,
-            )
-            .map_err(err)
+            let name = match operands {
+                Operands::F16 => "cublaslt_gemm_f16",
+                Operands::F32 => "cublaslt_gemm_f32",
+            };
+            self.timed(name, || {
+                lt::matmul(
+                    handle,
+                    desc.0,
+                    (&alpha) as *const f32 as *const c_void,
+                    (&beta) as *const f32 as *const c_void,
+                    w_ptr as *const c_void,
+                    a.0,
+                    x_ptr as *const c_void,
+                    b.0,
+                    y_ptr as *const c_void,
+                    c.0,
+                    y_ptr as *mut c_void,
+                    c.0,
+                    &algo,
+                    ws_ptr as *mut c_void,
+                    workspace,
+                    self.stream.cu_stream() as *mut _,
+                )
+                .map_err(err)
+            })
         }
     }
 }

@@ -1,30 +1,30 @@
 //! The CUDA backend: weights kept as stored (GGML blocks, f16, bf16, f32) in device memory,
 //! activations `f32` on the device, the paged KV cache in `f16` on the device, and every op a
-//! kernel of `kernels::cuda` launched on the model's own stream. Decode batches multiply with a
-//! matrix-vector kernel that reads each weight once per [`MAX_MATVEC_BATCH`] rows; prefills
-//! dequantize to `f16` and run a tensor-core GEMM (cuBLASLt, `f32` output) (see `linear`).
+//! kernel of `kernels::cuda` launched on the model's own stream. One row multiplies with a
+//! matrix-vector kernel, decode batches with a tensor-core kernel over the stored weights,
+//! prefills with cuBLASLt's GEMM over an `f16` copy (see `linear`); `device` opens the GPU.
 //! Only the rows sampling reads come back to the host.
 //!
 //! Libraries are loaded when a device is opened, not at link time: a build with this feature
 //! starts on machines without a GPU, and [`Cuda::open`] says in one line what is missing.
 
+mod device;
 mod linear;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use cudarc::cublaslt::CudaBlasLT;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
 use super::Backend;
-use crate::kernels::cuda as kernels;
 use crate::model::batch::SeqInput;
 use crate::model::config::{ModelConfig, RopeStyle};
 use crate::model::error::{ModelError, Result};
-use crate::model::kv_cache::{DeviceKv, KvCache, KvDtype, KvStore};
+use crate::model::kv_cache::{DeviceKv, KvCache, KvStore};
 use crate::model::weights::Weight;
 pub use linear::{DeviceMatrix, Format, MAX_MATVEC_BATCH};
 
@@ -36,7 +36,13 @@ pub struct Cuda {
     blas: CudaBlasLT,
     /// cuBLASLt's scratch (32 MiB, what it asks for on Hopper).
     workspace: CudaSlice<u8>,
+    /// Events around each launch while the breakdown is on: (kernel, start, end).
+    launches: Mutex<Vec<(String, CudaEvent, CudaEvent)>>,
+    /// cuBLASLt's chosen algorithm per GEMM shape (operands, n, t, k).
+    algos: Mutex<HashMap<linear::GemmShape, cudarc::cublaslt::sys::cublasLtMatmulAlgo_t>>,
     arch: u32,
+    /// Streaming multiprocessors: how many CTAs fill the device.
+    multiprocessors: usize,
 }
 
 /// `f32` activations on the device: `rows` rows of `width`.
@@ -108,11 +114,14 @@ fn per_row(rows: usize, threads: u32) -> LaunchConfig {
 macro_rules! launch {
     ($cuda:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
         let cuda: &Cuda = $cuda;
-        let mut b = cuda.stream.launch_builder(cuda.f($name));
-        $( b.arg($arg); )+
-        // SAFETY: every kernel's arguments are pushed in the order and types its source
-        // declares (see `kernels::cuda`), over buffers sized for the launch.
-        unsafe { b.launch($cfg) }.map(|_| ()).map_err(device_err)
+        let name: &str = $name;
+        cuda.timed(name, || {
+            let mut b = cuda.stream.launch_builder(cuda.f(name));
+            $( b.arg($arg); )+
+            // SAFETY: every kernel's arguments are pushed in the order and types its source
+            // declares (see `kernels::cuda`), over buffers sized for the launch.
+            unsafe { b.launch($cfg) }.map(|_| ()).map_err(device_err)
+        })
     }};
 }
 pub(crate) use launch;
@@ -134,172 +143,6 @@ fn int_count(n: usize) -> Result<i32> {
 }
 
 impl Cuda {
-    /// Opens GPU `ordinal` and compiles (or reads from the cache) every kernel for it. Each
-    /// missing piece is named: the driver, NVRTC, cuBLASLt, the device.
-    pub fn open(ordinal: usize) -> Result<Self> {
-        // SAFETY: each only tries to open its library.
-        let (driver, blas) = unsafe {
-            (
-                cudarc::driver::sys::is_culib_present(),
-                cudarc::cublaslt::sys::is_culib_present(),
-            )
-        };
-        if !driver {
-            return Err(ModelError::Device(format!(
-                "cuda:{ordinal}: the NVIDIA driver library (libcuda.so.1) was not found: \
-                 this machine has no usable GPU driver"
-            )));
-        }
-        if !kernels::nvrtc_present() {
-            return Err(ModelError::Device(format!(
-                "cuda:{ordinal}: {}",
-                kernels::KernelError::NoNvrtc
-            )));
-        }
-        if !blas {
-            return Err(ModelError::Device(format!(
-                "cuda:{ordinal}: cuBLASLt (libcublasLt.so.13) was not found: install it \
-                 (pip install nvidia-cublas==13.0.*) and put its lib folder on LD_LIBRARY_PATH"
-            )));
-        }
-        let count = CudaContext::device_count().map_err(device_err)?;
-        if ordinal >= count.max(0) as usize {
-            return Err(ModelError::Device(format!(
-                "cuda:{ordinal}: this machine has {count} GPU(s)"
-            )));
-        }
-        let ctx = CudaContext::new(ordinal).map_err(device_err)?;
-        let (major, minor) = ctx.compute_capability().map_err(device_err)?;
-        let arch = (major * 10 + minor) as u32;
-        // SAFETY: every buffer of this backend is allocated, used and freed on its one stream,
-        // so the events cudarc would record to order streams are not needed.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(device_err)?;
-        let mut functions = HashMap::new();
-        for (file, names) in kernels::kernels() {
-            let body = kernels::SOURCES
-                .iter()
-                .find(|(f, _)| *f == file)
-                .map(|(_, b)| *b)
-                .expect("every kernel file is a source");
-            let cubin = kernels::cached_cubin(file, body, arch)
-                .map_err(|e| ModelError::Device(e.to_string()))?;
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-                .map_err(device_err)?;
-            for name in names {
-                let f = module.load_function(&name).map_err(device_err)?;
-                functions.insert(name, f);
-            }
-        }
-        let blas = CudaBlasLT::new(stream.clone()).map_err(device_err)?;
-        let workspace = stream.alloc_zeros::<u8>(32 << 20).map_err(device_err)?;
-        Ok(Self {
-            ctx,
-            stream,
-            functions,
-            blas,
-            workspace,
-            arch,
-        })
-    }
-
-    /// The raw address of `buf`, for a kernel argument that may be null.
-    fn ptr<T>(&self, buf: &CudaSlice<T>) -> u64 {
-        cudarc::driver::DevicePtr::device_ptr(buf, &self.stream).0
-    }
-
-    fn f(&self, name: &str) -> &CudaFunction {
-        &self.functions[name]
-    }
-
-    fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
-        self.stream.clone_htod(data).map_err(device_err)
-    }
-
-    fn alloc(&self, rows: usize, width: usize) -> Result<DeviceRows> {
-        let buf = self
-            .stream
-            .alloc_zeros::<f32>((rows * width).max(1))
-            .map_err(device_err)?;
-        Ok(DeviceRows { buf, rows, width })
-    }
-
-    /// A vector of `f32` values on the device.
-    fn vector(&self, t: &Tensor) -> Result<CudaSlice<f32>> {
-        self.upload(&t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-    }
-
-    /// A KV cache of `num_blocks` blocks for every layer of `config`, in device memory.
-    pub fn kv_cache(
-        &self,
-        config: &ModelConfig,
-        block_size: usize,
-        num_blocks: usize,
-        dtype: KvDtype,
-    ) -> Result<KvCache> {
-        if dtype != KvDtype::F16 {
-            return Err(ModelError::Device(
-                "the CUDA backend stores its KV cache in f16 (kv_dtype = \"f16\")".into(),
-            ));
-        }
-        if config.head_dim > MAX_HEAD_DIM {
-            return Err(ModelError::Device(format!(
-                "the CUDA attention kernel takes head_dim up to {MAX_HEAD_DIM}, not {}",
-                config.head_dim
-            )));
-        }
-        let per_layer = (num_blocks * block_size * config.kv_dim()).max(1);
-        let layer = || {
-            self.stream
-                .alloc_zeros::<u16>(per_layer)
-                .map_err(device_err)
-        };
-        let mut k = Vec::with_capacity(config.num_layers);
-        let mut v = Vec::with_capacity(config.num_layers);
-        for _ in 0..config.num_layers {
-            k.push(layer()?);
-            v.push(layer()?);
-        }
-        let store = KvStore::Cuda(DeviceKv {
-            k,
-            v,
-            block_size,
-            num_kv_heads: config.num_kv_heads,
-            head_dim: config.head_dim,
-        });
-        Ok(KvCache::from_store(block_size, num_blocks, store))
-    }
-
-    /// Bytes per second a device-to-device copy moves (each byte read once and written once,
-    /// both counted), best of five copies of 1 GiB.
-    pub fn copy_rate(&self) -> Result<f64> {
-        let len = 1 << 30;
-        let src = self.stream.alloc_zeros::<u8>(len).map_err(device_err)?;
-        let mut dst = self.stream.alloc_zeros::<u8>(len).map_err(device_err)?;
-        let mut best = 0f64;
-        for _ in 0..5 {
-            self.synchronize()?;
-            let started = std::time::Instant::now();
-            self.stream
-                .memcpy_dtod(&src, &mut dst)
-                .map_err(device_err)?;
-            self.synchronize()?;
-            best = best.max(2.0 * len as f64 / started.elapsed().as_secs_f64());
-        }
-        Ok(best)
-    }
-
-    /// Free and total device memory, in bytes.
-    pub fn memory(&self) -> Result<(usize, usize)> {
-        self.ctx.mem_get_info().map_err(device_err)
-    }
-
-    /// Waits for everything launched so far.
-    pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(device_err)
-    }
-
     fn add_bias(&self, y: &mut DeviceRows, bias: &CudaSlice<f32>) -> Result<()> {
         let (rows, cols) = (y.rows as i32, y.width as i32);
         launch!(
@@ -480,7 +323,11 @@ impl Backend for Cuda {
     }
 
     fn zeros(&self, rows: usize, width: usize) -> Result<DeviceRows> {
-        self.alloc(rows, width)
+        let buf = self
+            .stream
+            .alloc_zeros::<f32>((rows * width).max(1))
+            .map_err(device_err)?;
+        Ok(DeviceRows { buf, rows, width })
     }
 
     fn add_norm(
