@@ -15,7 +15,9 @@ set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${1:-${OUT:-$here/gpu-check-out}}"
 mkdir -p "$out"
-export TOKENROUTER_KERNEL_CACHE="$out/cache"
+export TOKENROUTER_KERNEL_CACHE="${TOKENROUTER_KERNEL_CACHE:-$out/cache}"
+# Seconds each bench-model run may take.
+bench_timeout="${BENCH_TIMEOUT:-150}"
 
 # CUDA libraries: the toolkit's, then any that PyTorch's wheels carry.
 libs=$(ls -d /usr/local/cuda/lib64 /usr/local/cuda-*/lib64 /usr/local/cuda/targets/*/lib 2>/dev/null | tr '\n' ':')
@@ -34,7 +36,7 @@ export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 
 echo "== (a) GPU against CPU"
-"$here/cuda_parity" --test-threads 1 2>&1 | tee "$out/parity.txt"
+timeout 180 "$here/cuda_parity" --test-threads 1 2>&1 | tee "$out/parity.txt"
 parity=${PIPESTATUS[0]}
 
 echo "== (c) PyTorch bf16 matmul peak"
@@ -59,7 +61,7 @@ PY
 echo "== (b) bench-model on random-weight models of real shapes"
 : > "$out/bench.jsonl"
 for shape in qwen2.5-1.5b:q4_k qwen3-8b:q4_k qwen3-32b:q4_k; do
-  timeout 150 "$here/tokenrouter" bench-model --random "$shape" --device cuda:0 \
+  timeout "$bench_timeout" "$here/tokenrouter" bench-model --random "$shape" --device cuda:0 \
     --batch 1,8,32,128 --prompt-len 512 --decode-steps 32 --json 2>"$out/bench-$shape.err" \
     | tee -a "$out/bench.jsonl"
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "bench-model $shape failed:"; tail -5 "$out/bench-$shape.err"; }
