@@ -182,6 +182,14 @@ pub enum RoutingConfig {
     /// confidence (top probability) times its weight (`weights`, one per model in
     /// `[[models]]` order); the best proposal is committed.
     Ensemble { weights: Vec<f32> },
+    /// A benchmark tool, not a quality router: each output position goes to the LLM with
+    /// probability `p`, drawn from `seed`, whatever the models' outputs (for speed runs on
+    /// random-weight models, whose entropies mean nothing).
+    Bernoulli {
+        p: f64,
+        #[serde(default)]
+        seed: u64,
+    },
 }
 
 /// How query-level routing picks a request's model.
@@ -520,12 +528,16 @@ impl Config {
                 ))
             }
             RoutingConfig::Ensemble { .. } => Ok(()),
+            RoutingConfig::Bernoulli { p, .. } if !(0.0..=1.0).contains(p) => Err(format!(
+                "routing.p = {p}: the share of tokens sent to the LLM lies in [0, 1]"
+            )),
             RoutingConfig::Entropy { .. }
             | RoutingConfig::RStitch { .. }
             | RoutingConfig::R2r { .. }
             | RoutingConfig::Citer { .. }
             | RoutingConfig::CoLlm { .. }
-            | RoutingConfig::QueryLevel { .. } => {
+            | RoutingConfig::QueryLevel { .. }
+            | RoutingConfig::Bernoulli { .. } => {
                 match (self.role_index(Role::Slm), self.role_index(Role::Llm)) {
                     (Some(s), Some(l)) if s != l => Ok(()),
                     _ => Err("this routing algorithm needs an SLM and an LLM: set role = \"slm\" and role = \"llm\" on two [[models]] entries (or list exactly two models)".into()),

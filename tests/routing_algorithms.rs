@@ -1,12 +1,14 @@
 //! The routing algorithms on the tiny model pair: learned routers (R2R, CITER, Co-LLM) with
 //! heads of known weights send exactly the positions an independent f64 re-implementation of
 //! the head predicts, and the runtime's output equals the full-recompute oracle in every
-//! scheduling mode; query-level routing runs each request wholly on the model its rule picks.
+//! scheduling mode; query-level routing runs each request wholly on the model its rule picks;
+//! the seeded Bernoulli router routes alike in every mode, each token the oracle's.
 
 mod common;
 
 use common::heads::{self, HeadWeights};
-use common::oracle::{deferral_greedy, fresh_features, routed_greedy, OracleToken, Rule};
+use common::oracle::{deferral_greedy, fresh_features, fresh_logits, routed_greedy};
+use common::oracle::{OracleToken, Rule};
 use common::runtime::{collect, config, greedy, prompts, tiny_pair, with_runtime, Pair};
 use tokenrouter::actors::{RequestEvent, Runtime};
 use tokenrouter::routing::head::{HeadConfig, HeadKind, RouterHead};
@@ -428,6 +430,37 @@ fn an_ensemble_commits_the_best_weighted_proposal_of_every_model() {
         let got = run_with(&trio, &config);
         for (i, (g, w)) in got.iter().zip(&expected).enumerate() {
             assert_eq!(g, w, "mode {mode}, prompt {i}");
+        }
+    }
+}
+
+#[test]
+fn bernoulli_routes_a_seeded_share_alike_in_every_mode() {
+    let pair = tiny_pair();
+    let routing = "[routing]\nalgorithm = \"bernoulli\"\np = 0.3\nseed = 5\n";
+    let runs: Vec<_> = ["eager", "delayed", "sync"]
+        .into_iter()
+        .map(|mode| (mode, run_all(&pair, routing, mode)))
+        .collect();
+    let (_, first) = &runs[0];
+    for (mode, got) in &runs[1..] {
+        assert_eq!(got, first, "mode {mode} routed differently from eager");
+    }
+    let on = |m: usize| first.iter().flatten().filter(|t| t.model == m).count();
+    assert!(on(0) > 0 && on(1) > 0, "both models must take part: {first:?}");
+    // Each token is the greedy choice of the model that produced it, recomputed from nothing.
+    for (prompt, tokens) in prompts().iter().zip(first) {
+        let mut context = prompt.clone();
+        for t in tokens {
+            let logits = fresh_logits(&pair.models[t.model].model, &context);
+            let gap = common::top2_gap(&logits);
+            let best = logits
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(i, _)| i as u32);
+            assert_eq!(Some(t.token), best, "after {context:?} (top-2 gap {gap})");
+            context.push(t.token);
         }
     }
 }

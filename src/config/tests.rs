@@ -111,6 +111,8 @@ fn learned_ensemble_and_query_level_sections_are_checked() {
             "vibes",
         ),
         ("algorithm = \"citer\"", "router"),
+        ("algorithm = \"bernoulli\"\np = 1.5", "routing.p = 1.5"),
+        ("algorithm = \"bernoulli\"", "missing field `p`"),
     ];
     for (routing, needle) in bad {
         let err = load_str(&format!("{two}[routing]\n{routing}\n")).unwrap_err();
@@ -120,6 +122,11 @@ fn learned_ensemble_and_query_level_sections_are_checked() {
         "{two}[routing]\nalgorithm = \"ensemble\"\nweights = [1.0, 2.0]\n"
     ));
     assert!(ok.is_ok());
+    let bernoulli = load_str(&format!(
+        "{two}[routing]\nalgorithm = \"bernoulli\"\np = 0.1\nseed = 7\n"
+    ))
+    .unwrap();
+    assert_eq!(bernoulli.routing, RoutingConfig::Bernoulli { p: 0.1, seed: 7 });
 }
 
 #[test]

@@ -78,6 +78,7 @@ mod tests {
 
     fn step(token: u32, carried: Option<Candidate>) -> StepView {
         StepView {
+            request: 0,
             model: 0,
             token,
             tokens_here: 0,

@@ -18,6 +18,7 @@ mod tests {
 
     fn view(model: ModelIndex) -> StepView {
         StepView {
+            request: 0,
             model,
             token: 7,
             tokens_here: 0,

@@ -12,8 +12,10 @@
 //!
 //! One file per algorithm: [`SingleModel`], [`entropy_threshold`], [`RStitch`], the learned
 //! routers [`r2r`], [`citer`] and [`co_llm`] (a [`LearnedDeferral`] over a [`head`] trained by
-//! [`train`]), [`QueryLevel`], and the multi-model [`Ensemble`].
+//! [`train`]), [`QueryLevel`], the multi-model [`Ensemble`], and [`Bernoulli`], the seeded
+//! benchmark router.
 
+mod bernoulli;
 mod citer;
 mod co_llm;
 mod ensemble;
@@ -29,6 +31,7 @@ pub mod train;
 
 use std::sync::Arc;
 
+pub use bernoulli::Bernoulli;
 pub use citer::citer;
 pub use co_llm::co_llm;
 pub use ensemble::Ensemble;
@@ -91,6 +94,8 @@ pub struct Candidate {
 /// One request at routing time.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepView {
+    /// The request's id, unique within a runtime.
+    pub request: u64,
     /// The model that just ran the step.
     pub model: ModelIndex,
     /// The token it sampled.
@@ -225,6 +230,7 @@ pub fn build(
             Arc::new(QueryLevel::new(pair()?, *rule, *threshold))
         }
         RoutingConfig::Ensemble { weights } => Arc::new(Ensemble::new(weights.clone())),
+        RoutingConfig::Bernoulli { p, seed } => Arc::new(Bernoulli::new(pair()?, *p, *seed)),
     })
 }
 

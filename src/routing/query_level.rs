@@ -90,6 +90,7 @@ mod tests {
 
     fn first_step() -> StepView {
         StepView {
+            request: 0,
             model: 0,
             token: 5,
             tokens_here: 0,
@@ -131,6 +132,7 @@ mod tests {
         let batch = [
             first_step(),
             StepView {
+                request: 0,
                 generated: 3,
                 tokens_here: 3,
                 ..first_step()

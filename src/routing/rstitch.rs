@@ -78,6 +78,7 @@ mod tests {
     fn switches_up_above_high_and_down_below_low() {
         let algo = RStitch::new(Pair { slm: 0, llm: 1 }, 2.0, 0.5);
         let v = |model| StepView {
+            request: 0,
             model,
             token: 1,
             tokens_here: 4,

@@ -134,6 +134,7 @@ impl ModelWorker {
             .map(|s| {
                 let local = &self.requests[&s.id];
                 StepView {
+                    request: s.id,
                     model: self.index,
                     token: s.token,
                     tokens_here: local.tokens_here,
