@@ -71,10 +71,7 @@ fn main() -> anyhow::Result<()> {
         warmup: 8,
         threshold: 1.0,
     });
-    let models = load_models(
-        &config,
-        tokenrouter::model::ComputeTarget::Cpu(Default::default()),
-    )?;
+    let models = load_models(&config, Default::default())?;
     let request = GenerateRequest::new(Prompt::Text(prompt), SamplingParams::greedy(), 48);
     let summary = Runtime::run_with_router(&config, models, router, async |runtime| {
         let handle = runtime.submit(request);

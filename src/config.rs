@@ -113,6 +113,11 @@ pub struct ModelEntry {
     /// `cuda:N`. Models naming the same device take turns on it.
     #[serde(default)]
     pub device: DeviceSpec,
+    /// Random weights of a known shape (`NAME[:FORMAT]`, as `bench-model --random`) instead
+    /// of `path`'s, which then only gives the tokenizer: for speed runs at a published model's
+    /// size without its file.
+    #[serde(default)]
+    pub random: Option<String>,
 }
 
 fn default_batch_threshold() -> usize {
@@ -335,6 +340,7 @@ impl Config {
                 batch_threshold: default_batch_threshold(),
                 threads: None,
                 device: DeviceSpec::default(),
+                random: None,
             }],
             kv_cache: KvCacheSettings::default(),
             memory: MemorySettings::default(),
@@ -369,6 +375,10 @@ impl Config {
         for (i, m) in self.models.iter().enumerate() {
             if m.batch_threshold == 0 {
                 return Err(format!("models[{i}].batch_threshold must be at least 1"));
+            }
+            if let Some(shape) = &m.random {
+                crate::model::random::parse(shape)
+                    .map_err(|e| format!("models[{i}].random = \"{shape}\": {e}"))?;
             }
             if m.threads == Some(0) {
                 return Err(format!(
@@ -420,9 +430,9 @@ impl Config {
     /// its threads, and no device needs a backend this build lacks.
     fn validate_devices(&self) -> Result<(), String> {
         for (i, m) in self.models.iter().enumerate() {
-            if let DeviceSpec::Cuda(_) = m.device {
+            if let (DeviceSpec::Cuda(_), false) = (&m.device, cfg!(feature = "cuda")) {
                 return Err(format!(
-                    "models[{i}].device = \"{}\": serving on a GPU is not supported yet (generate and bench-model take --device cuda:N in a build with the cuda feature); use \"cpu\" or a core set such as \"cpu:0-7\"",
+                    "models[{i}].device = \"{}\": this build has no CUDA backend; build with `--features cuda`, or use \"cpu\" or a core set such as \"cpu:0-7\"",
                     m.device
                 ));
             }

@@ -469,3 +469,47 @@ fn bench_model_measures_a_random_model_of_a_real_shape() {
     assert_eq!(row["model"], "random qwen2.5-0.5b:q8_0");
     assert!(row["decode_tok_s"].as_f64().unwrap() > 0.0, "{row}");
 }
+
+/// A config may serve random-weight models of real shapes, with a tokenizer from a file, and
+/// route between them with the seeded benchmark router.
+#[test]
+fn a_config_serves_random_models_routed_by_a_seeded_share() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny(dir.path());
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        "[[models]]\nname = \"small\"\npath = \"tiny.gguf\"\nrandom = \"qwen2.5-0.5b:q4_0\"\n\
+         [[models]]\nname = \"large\"\npath = \"tiny.gguf\"\nrandom = \"qwen2.5-0.5b:q8_0\"\n\
+         [routing]\nalgorithm = \"bernoulli\"\np = 0.5\nseed = 1\n",
+    )
+    .unwrap();
+    let cfg = config.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["generate", "--config", cfg, "--prompt", "hi"];
+        args.extend_from_slice(extra);
+        tokenrouter(&args)
+    };
+    let out = run(&["--max-tokens", "12", "--ignore-eos"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let report = String::from_utf8_lossy(&out.stdout).to_string() + &stderr;
+    let per_model = report
+        .split("tokens per model: ")
+        .nth(1)
+        .and_then(|s| s.split(';').next())
+        .unwrap_or_else(|| panic!("no per-model counts: {report}"));
+    let counts: Vec<usize> = per_model
+        .split(", ")
+        .map(|part| part.split(' ').nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(counts.iter().sum::<usize>(), 12, "{per_model}");
+    assert!(
+        counts.iter().all(|&n| n > 0),
+        "both models take part: {per_model}"
+    );
+    if !cfg!(feature = "cuda") {
+        let out = run(&["--device", "cuda:0"]);
+        assert_fails_with(&out, "this build has no CUDA backend");
+    }
+}

@@ -447,7 +447,10 @@ fn bernoulli_routes_a_seeded_share_alike_in_every_mode() {
         assert_eq!(got, first, "mode {mode} routed differently from eager");
     }
     let on = |m: usize| first.iter().flatten().filter(|t| t.model == m).count();
-    assert!(on(0) > 0 && on(1) > 0, "both models must take part: {first:?}");
+    assert!(
+        on(0) > 0 && on(1) > 0,
+        "both models must take part: {first:?}"
+    );
     // Each token is the greedy choice of the model that produced it, recomputed from nothing.
     for (prompt, tokens) in prompts().iter().zip(first) {
         let mut context = prompt.clone();

@@ -1,5 +1,6 @@
 //! The actor runtime on two tiny random models that share a tokenizer: token-routed greedy
-//! output equals the full-recompute oracle in every scheduling mode, no workload (cancelled,
+//! output equals the full-recompute oracle in every scheduling mode, the models sharing one
+//! device or on two that compute side by side; no workload (cancelled,
 //! stopped, preempted, prefix-cached requests) leaks a KV block or a terminal event, and each
 //! model is told once of each request's end.
 
@@ -9,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use common::oracle::{greedy_entropies, quantile, routed_greedy, Rule};
-use common::runtime::{collect, config, greedy, prompts, tiny_pair, with_runtime, Pair};
+use common::runtime::{collect, config, config_on, greedy, prompts, tiny_pair, with_runtime, Pair};
 use tokenrouter::actors::{GenerateRequest, Prompt, RequestEvent, Runtime};
 use tokenrouter::model::{LoadedModel, SamplingParams};
 
@@ -52,10 +53,24 @@ fn routed_greedy_output_equals_the_full_recompute_oracle_in_every_mode() {
             .filter(|t| t.model == 1)
             .count();
         assert!(routed > 0, "{rule:?}: the oracle never used the LLM");
-        // The last entry adds `thresholds = "auto"` to delayed batching.
-        for mode in ["delayed", "eager", "sync", "delayed\"\nthresholds = \"auto"] {
-            let config = config(
+        // The model on a core of its own each: two devices that compute side by side.
+        let cores = tokenrouter::kernels::parallel::process_cores();
+        assert!(cores.len() >= 2, "this test needs two cores: {cores:?}");
+        let apart = [format!("cpu:{}", cores[0]), format!("cpu:{}", cores[1])];
+        let apart = [apart[0].as_str(), apart[1].as_str()];
+        // The last shared entry adds `thresholds = "auto"` to delayed batching.
+        let runs = [
+            (["cpu", "cpu"], "delayed"),
+            (["cpu", "cpu"], "eager"),
+            (["cpu", "cpu"], "sync"),
+            (["cpu", "cpu"], "delayed\"\nthresholds = \"auto"),
+            (apart, "delayed"),
+            (apart, "eager"),
+        ];
+        for (devices, mode) in runs {
+            let config = config_on(
                 pair.dir.path(),
+                devices,
                 &format!("{routing}[scheduler]\nmode = \"{mode}\"\n"),
             );
             let (outcomes, stats) = with_runtime(&config, &pair, async |rt| {
@@ -80,7 +95,10 @@ fn routed_greedy_output_equals_the_full_recompute_oracle_in_every_mode() {
                 );
             }
             for (i, (got, want)) in outcomes.iter().zip(&expected).enumerate() {
-                assert_eq!(got.tokens, want.tokens, "{rule:?}, mode {mode}, prompt {i}");
+                assert_eq!(
+                    got.tokens, want.tokens,
+                    "{rule:?}, mode {mode}, devices {devices:?}, prompt {i}"
+                );
                 assert!(
                     matches!(got.terminals.as_slice(), [RequestEvent::Finished(s)] if s.completion_tokens == max_tokens),
                     "{:?}",

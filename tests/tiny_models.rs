@@ -379,3 +379,40 @@ fn streamed_weight_bytes_split_by_projection() {
         layers * per_layer.iter().sum::<usize>() + model.lm_head_bytes() + norms
     );
 }
+
+/// A random-weight model takes only the tokenizer from its path: a GGUF's tensors and a
+/// Hugging Face directory's weights and config are not read.
+#[test]
+fn random_weights_take_only_the_tokenizer_from_the_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec::new(Architecture::Qwen2);
+    let hf = dir.path().join("hf");
+    write_hf_dir(&spec, &hf, DType::F32).unwrap();
+    for entry in std::fs::read_dir(&hf).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.ends_with(".safetensors") || name == "config.json" {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    let gguf = dir.path().join("m.gguf");
+    write_gguf(&spec, &gguf, &[GgmlDType::Q8_0]).unwrap();
+    let target = tokenrouter::model::ComputeTarget::Cpu(Default::default());
+    for path in [&hf, &gguf] {
+        let lm = LoadedModel::load_random(path, "qwen2.5-0.5b:q8_0", target).unwrap();
+        let config = lm.model.config();
+        assert_eq!(
+            (config.hidden_size, config.num_layers, config.vocab_size),
+            (896, 24, 151_936),
+            "{}",
+            path.display()
+        );
+        let own = LoadedModel::load(&gguf, &Device::Cpu).unwrap();
+        assert_eq!(lm.encode("hello").unwrap(), own.encode("hello").unwrap());
+    }
+    let err = LoadedModel::load_random(&gguf, "qwen3-8b:q2_k", target)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("q2_k"), "{err}");
+}

@@ -1,11 +1,12 @@
 //! The device executor: one actor per device, ordering the steps of the models placed there
 //! like a GPU's stream scheduler orders kernels. Model actors stay autonomous (routing, KV,
 //! handoffs and peer messages never pass through here); they only ask for a step and report
-//! its end. The decision logic is [`DeviceQueue`]'s; this actor delivers asks and grants.
+//! its end. The decision logic is [`DeviceQueue`]'s; this actor delivers asks and grants, and
+//! decides again when a held-back ask's deadline comes while steps run.
 
 use std::time::Instant;
 
-use actix::{Actor, Context, Handler, Message, Recipient};
+use actix::{Actor, AsyncContext, Context, Handler, Message, Recipient, SpawnHandle};
 
 use crate::scheduler::{Decision, DeviceQueue, StepAsk};
 
@@ -41,6 +42,8 @@ pub struct DeviceExecutor {
     name: String,
     queue: DeviceQueue,
     models: Vec<Recipient<Grant>>,
+    /// The wake-up at the next held-back deadline, if one is set.
+    wake: Option<SpawnHandle>,
 }
 
 impl DeviceExecutor {
@@ -49,11 +52,13 @@ impl DeviceExecutor {
             name,
             queue,
             models: Vec::new(),
+            wake: None,
         }
     }
 
-    fn dispatch(&mut self) {
-        if let Decision::Grant(slot) = self.queue.decide(Instant::now()) {
+    fn dispatch(&mut self, ctx: &mut Context<Self>) {
+        let now = Instant::now();
+        while let Decision::Grant(slot) = self.queue.decide(now) {
             match self.models.get(slot) {
                 Some(model) => model.do_send(Grant),
                 None => {
@@ -61,6 +66,15 @@ impl DeviceExecutor {
                     self.queue.finished(slot);
                 }
             }
+        }
+        if let Some(handle) = self.wake.take() {
+            ctx.cancel_future(handle);
+        }
+        if let Some(deadline) = self.queue.next_deadline(now) {
+            self.wake = Some(ctx.run_later(deadline - now, |this, ctx| {
+                this.wake = None;
+                this.dispatch(ctx);
+            }));
         }
     }
 }
@@ -71,29 +85,29 @@ impl Actor for DeviceExecutor {
 
 impl Handler<Attach> for DeviceExecutor {
     type Result = ();
-    fn handle(&mut self, msg: Attach, _: &mut Context<Self>) {
+    fn handle(&mut self, msg: Attach, ctx: &mut Context<Self>) {
         self.models = msg.0;
-        self.dispatch();
+        self.dispatch(ctx);
     }
 }
 
 impl Handler<Ask> for DeviceExecutor {
     type Result = ();
-    fn handle(&mut self, msg: Ask, _: &mut Context<Self>) {
+    fn handle(&mut self, msg: Ask, ctx: &mut Context<Self>) {
         self.queue.ask(msg.slot, msg.ask);
-        self.dispatch();
+        self.dispatch(ctx);
     }
 }
 
 impl Handler<StepDone> for DeviceExecutor {
     type Result = ();
-    fn handle(&mut self, msg: StepDone, _: &mut Context<Self>) {
+    fn handle(&mut self, msg: StepDone, ctx: &mut Context<Self>) {
         let now = Instant::now();
         self.queue.finished(msg.slot);
         self.queue.ask(msg.slot, msg.ask);
         for (slot, n) in msg.handed {
             self.queue.credit(slot, n, now);
         }
-        self.dispatch();
+        self.dispatch(ctx);
     }
 }

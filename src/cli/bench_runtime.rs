@@ -33,8 +33,9 @@ pub struct BenchRuntimeArgs {
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
-    #[arg(long, env = "TOKENROUTER_DEVICE", default_value = "cpu")]
-    device: String,
+    /// Every model on this device (`cpu`, `cpu:A-B`, `cuda:N`) instead of its configured one.
+    #[arg(long, env = "TOKENROUTER_DEVICE")]
+    device: Option<String>,
 }
 
 const PROMPTS: &[&str] = &[
@@ -74,9 +75,9 @@ pub fn run(args: BenchRuntimeArgs, backend: MatmulBackend) -> anyhow::Result<()>
         .iter()
         .map(|m| m.parse().map_err(|e| anyhow::anyhow!("--modes: {e}")))
         .collect::<anyhow::Result<_>>()?;
-    let config = Config::load(&args.config)?;
-    let target = super::parse_device(&args.device, backend)?;
-    let models = load_models(&config, target)?;
+    let mut config = Config::load(&args.config)?;
+    super::override_device(&mut config, args.device.as_deref())?;
+    let models = load_models(&config, backend)?;
     let names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
     let mut results = Vec::new();
     for (mode_name, mode) in args.modes.iter().zip(modes) {

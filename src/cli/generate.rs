@@ -41,6 +41,9 @@ pub struct GenerateArgs {
     /// Colour each token by the model that produced it (routed generation).
     #[arg(long)]
     show_routing: bool,
+    /// Generate `--max-tokens` tokens even past the end-of-sequence token.
+    #[arg(long)]
+    ignore_eos: bool,
     /// Tokens per KV-cache block (with --model; routed generation takes the config's).
     #[arg(long, default_value_t = 16, env = "TOKENROUTER_BLOCK_SIZE")]
     block_size: usize,
@@ -63,6 +66,7 @@ pub fn run(args: GenerateArgs, backend: MatmulBackend) -> anyhow::Result<()> {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned());
         let mut config = Config::alone(&name.unwrap_or_default(), lm.path.clone());
+        super::override_device(&mut config, args.model.device.as_deref())?;
         config.kv_cache = KvCacheSettings {
             block_size: args.block_size,
             dtype: args.kv_dtype,
@@ -70,8 +74,8 @@ pub fn run(args: GenerateArgs, backend: MatmulBackend) -> anyhow::Result<()> {
         config.validate().map_err(anyhow::Error::msg)?;
         (config, vec![Arc::new(lm)])
     } else {
-        let config = Config::load(&args.model.config)?;
-        let models = load_models(&config, args.model.target(backend)?)?;
+        let config = args.model.load_config()?;
+        let models = load_models(&config, backend)?;
         (config, models)
     };
     let names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
@@ -80,7 +84,8 @@ pub fn run(args: GenerateArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     } else {
         Prompt::Text(args.prompt.clone())
     };
-    let request = GenerateRequest::new(prompt, params, args.max_tokens);
+    let mut request = GenerateRequest::new(prompt, params, args.max_tokens);
+    request.ignore_eos = args.ignore_eos;
     let show = args.show_routing;
     if show {
         let legend: Vec<String> = names

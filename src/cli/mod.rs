@@ -16,6 +16,7 @@ mod tune;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use tokenrouter::config::{Config, DeviceSpec};
 use tokenrouter::kernels::qmatmul::Isa;
 use tokenrouter::model::{ComputeTarget, LoadedModel, MatmulBackend};
 
@@ -172,9 +173,10 @@ struct ModelArg {
     /// Config file: the models and routing (and the file consulted when --model is a name).
     #[arg(long, env = "TOKENROUTER_CONFIG", default_value = "config.toml")]
     config: PathBuf,
-    /// `cpu`, or `cuda:N` in a build with the `cuda` feature.
-    #[arg(long, env = "TOKENROUTER_DEVICE", default_value = "cpu")]
-    device: String,
+    /// `cpu`, or `cuda:N` in a build with the `cuda` feature (default `cpu`). With a config,
+    /// every model is placed there instead of on its `device`.
+    #[arg(long, env = "TOKENROUTER_DEVICE")]
+    device: Option<String>,
 }
 
 /// A progress bar over `total` `unit`s on stderr, drawn only when stderr is a terminal (in a
@@ -186,6 +188,22 @@ fn progress_bar(total: usize, unit: &str) -> indicatif::ProgressBar {
         bar.set_style(style.progress_chars("#>."));
     }
     bar
+}
+
+/// Places every model of `config` on `--device`'s device, when given (`cuda` is `cuda:0`), and
+/// checks the config again.
+fn override_device(config: &mut Config, device: Option<&str>) -> anyhow::Result<()> {
+    let Some(spec) = device else {
+        return Ok(());
+    };
+    let spec: DeviceSpec = match spec {
+        "cuda" => DeviceSpec::Cuda(0),
+        _ => spec.parse().map_err(|e| anyhow::anyhow!("--device: {e}"))?,
+    };
+    for m in &mut config.models {
+        m.device = spec.clone();
+    }
+    config.validate().map_err(anyhow::Error::msg)
 }
 
 /// Parses `cpu` / `cuda` / `cuda:N` into where the model computes with `backend`'s kernels.
@@ -231,6 +249,13 @@ impl ModelArg {
 
     /// Where `--device` says the model computes, with `backend`'s kernels on a CPU.
     fn target(&self, backend: MatmulBackend) -> anyhow::Result<ComputeTarget> {
-        parse_device(&self.device, backend)
+        parse_device(self.device.as_deref().unwrap_or("cpu"), backend)
+    }
+
+    /// The config file, with every model on `--device` when given.
+    fn load_config(&self) -> anyhow::Result<Config> {
+        let mut config = Config::load(&self.config)?;
+        override_device(&mut config, self.device.as_deref())?;
+        Ok(config)
     }
 }

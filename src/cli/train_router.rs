@@ -145,7 +145,7 @@ pub fn run(
             args.config.display()
         );
     };
-    let models = load_models(&config, tokenrouter::model::ComputeTarget::Cpu(backend))?;
+    let models = load_models(&config, backend)?;
     let files = corpus_files(&args.corpus, &args.extension)?;
     let texts = chunks(
         &files,

@@ -126,7 +126,10 @@ fn learned_ensemble_and_query_level_sections_are_checked() {
         "{two}[routing]\nalgorithm = \"bernoulli\"\np = 0.1\nseed = 7\n"
     ))
     .unwrap();
-    assert_eq!(bernoulli.routing, RoutingConfig::Bernoulli { p: 0.1, seed: 7 });
+    assert_eq!(
+        bernoulli.routing,
+        RoutingConfig::Bernoulli { p: 0.1, seed: 7 }
+    );
 }
 
 #[test]
@@ -148,11 +151,35 @@ fn overlapping_devices_and_missing_backends_are_rejected() {
     assert!(load_str(&two("cpu:0", "cpu:1")).is_ok());
     let err = load_str(&two("cpu", "cpu:1")).unwrap_err().to_string();
     assert!(err.contains("share cores"), "{err}");
-    let err = load_str(&two("cpu:0-1", "cuda:0")).unwrap_err().to_string();
-    assert!(
-        err.contains("serving on a GPU is not supported yet"),
-        "{err}"
+    // The SLM on the CPU and the LLM on a GPU, in a build that has a GPU backend.
+    let mixed = load_str(&two("cpu:0-1", "cuda:0"));
+    assert_eq!(mixed.is_ok(), cfg!(feature = "cuda"));
+    if let Err(e) = mixed {
+        assert!(
+            e.to_string().contains("this build has no CUDA backend"),
+            "{e}"
+        );
+    }
+    assert_eq!(
+        load_str(&two("cuda:0", "cuda:1")).is_ok(),
+        cfg!(feature = "cuda")
     );
     let err = load_str(&two("tpu", "cpu")).unwrap_err().to_string();
     assert!(err.contains("device \"tpu\""), "{err}");
+}
+
+#[test]
+fn random_weights_name_a_known_shape() {
+    let one = |random: &str| {
+        format!("[[models]]\nname = \"a\"\npath = \"vocab.gguf\"\nrandom = \"{random}\"\n")
+    };
+    let config = load_str(&one("qwen3-32b:q4_k")).unwrap();
+    assert_eq!(config.models[0].random.as_deref(), Some("qwen3-32b:q4_k"));
+    let err = load_str(&one("qwen9-1t")).unwrap_err().to_string();
+    assert!(
+        err.contains("models[0].random = \"qwen9-1t\"") && err.contains("qwen3-0.6b"),
+        "{err}"
+    );
+    let err = load_str(&one("qwen3-8b:q3_k")).unwrap_err().to_string();
+    assert!(err.contains("q3_k"), "{err}");
 }

@@ -46,6 +46,14 @@ pub enum ComputeTarget {
     Cuda(usize),
 }
 
+/// Which weights a loaded model computes with.
+enum Weights<'a, S> {
+    /// The checkpoint's own, of this config, read from `S`.
+    Own(ModelConfig, S),
+    /// Random ones of this shape (see [`random::parse`]).
+    Random(&'a str),
+}
+
 /// Everything one checkpoint provides: weights, tokenizer, special ids and chat template.
 pub struct LoadedModel {
     pub model: Model,
@@ -63,30 +71,65 @@ impl LoadedModel {
 
     /// Loads with an explicit choice of quantized-matmul kernels.
     pub fn load_with(path: &Path, device: &Device, backend: MatmulBackend) -> Result<Self> {
-        Self::load_from(path, device, ComputeTarget::Cpu(backend))
+        Self::load_from(path, device, ComputeTarget::Cpu(backend), None)
     }
 
     /// Loads onto `target`: the file is read into host memory, then its weights are made
     /// ready for the target's kernels (repacked for the CPU's, uploaded as stored to a GPU).
     pub fn load_on(path: &Path, target: ComputeTarget) -> Result<Self> {
-        Self::load_from(path, &Device::Cpu, target)
+        Self::load_from(path, &Device::Cpu, target, None)
     }
 
-    fn load_from(path: &Path, device: &Device, target: ComputeTarget) -> Result<Self> {
+    /// A random-weight model of shape `random` (`NAME[:FORMAT]`, see [`random::parse`]) on
+    /// `target`, with the tokenizer, special tokens and chat template of `path` (a GGUF file,
+    /// whose tensors are not read, or a Hugging Face directory): for speed runs at a published
+    /// model's size without its weights.
+    pub fn load_random(path: &Path, random: &str, target: ComputeTarget) -> Result<Self> {
+        Self::load_from(path, &Device::Cpu, target, Some(random))
+    }
+
+    fn load_from(
+        path: &Path,
+        device: &Device,
+        target: ComputeTarget,
+        random: Option<&str>,
+    ) -> Result<Self> {
         let meta = std::fs::metadata(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
             source,
         })?;
         if meta.is_dir() {
-            Self::load_hf_dir(path, device, target)
+            Self::load_hf_dir(path, device, target, random)
         } else {
-            Self::load_gguf(path, device, target)
+            Self::load_gguf(path, device, target, random)
         }
     }
 
-    fn load_gguf(path: &Path, device: &Device, target: ComputeTarget) -> Result<Self> {
+    /// Random weights of shape `spec` on `target`, for a tokenizer of `vocab` tokens.
+    fn random_weights(spec: &str, vocab: usize, target: ComputeTarget) -> Result<Model> {
+        let (config, dtype) = random::parse(spec)?;
+        if config.vocab_size < vocab {
+            return Err(ModelError::Device(format!(
+                "random model '{spec}' has {} embeddings but the tokenizer has {vocab} tokens",
+                config.vocab_size
+            )));
+        }
+        let mut weights = random::RandomSource::new(&config, dtype, 0);
+        Model::load_on(config, &mut weights, target)
+    }
+
+    fn load_gguf(
+        path: &Path,
+        device: &Device,
+        target: ComputeTarget,
+        random: Option<&str>,
+    ) -> Result<Self> {
         let mut file = gguf::GgufFile::open(path, device)?;
-        let config = file.config()?;
+        // The file's own config is checked first: a wrong architecture is the error to report.
+        let weights = match random {
+            Some(spec) => Weights::Random(spec),
+            None => Weights::Own(file.config()?, ()),
+        };
         let md = file.metadata();
         let json_path = path.with_file_name("tokenizer.json");
         let (tokenizer, special) = if json_path.is_file() {
@@ -107,7 +150,12 @@ impl LoadedModel {
             )?),
             None => None,
         };
-        let model = Model::load_on(config, &mut file, target)?;
+        let model = match weights {
+            Weights::Own(config, ()) => Model::load_on(config, &mut file, target)?,
+            Weights::Random(spec) => {
+                Self::random_weights(spec, tokenizer.get_vocab_size(true), target)?
+            }
+        };
         Ok(Self {
             model,
             tokenizer,
@@ -117,9 +165,20 @@ impl LoadedModel {
         })
     }
 
-    fn load_hf_dir(dir: &Path, device: &Device, target: ComputeTarget) -> Result<Self> {
-        let mut st = safetensors::SafetensorsDir::open(dir, device)?;
-        let config = st.config()?;
+    fn load_hf_dir(
+        dir: &Path,
+        device: &Device,
+        target: ComputeTarget,
+        random: Option<&str>,
+    ) -> Result<Self> {
+        // Random weights read only the tokenizer files.
+        let weights = match random {
+            Some(spec) => Weights::Random(spec),
+            None => {
+                let st = safetensors::SafetensorsDir::open(dir, device)?;
+                Weights::Own(st.config()?, st)
+            }
+        };
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
             .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tok_path.display())))?;
@@ -144,7 +203,12 @@ impl LoadedModel {
             )?),
             None => None,
         };
-        let model = Model::load_on(config, &mut st, target)?;
+        let model = match weights {
+            Weights::Own(config, mut st) => Model::load_on(config, &mut st, target)?,
+            Weights::Random(spec) => {
+                Self::random_weights(spec, tokenizer.get_vocab_size(true), target)?
+            }
+        };
         Ok(Self {
             model,
             tokenizer,

@@ -23,7 +23,11 @@ impl Bernoulli {
 
     /// The model that generates output position `position` of the request keyed `key`.
     fn model_for(&self, key: u64, position: usize) -> ModelIndex {
-        if unit(mix(self.seed ^ mix(key) ^ mix(position as u64 ^ 0x5bd1_e995))) < self.p {
+        if unit(mix(self.seed
+            ^ mix(key)
+            ^ mix(position as u64 ^ 0x5bd1_e995)))
+            < self.p
+        {
             self.pair.llm
         } else {
             self.pair.slm
@@ -57,7 +61,13 @@ impl RoutingAlgorithm for Bernoulli {
         self.model_for(key, 0)
     }
 
-    fn route(&self, model: ModelIndex, _: &BatchFeatures, batch: &[StepView], out: &mut Vec<Route>) {
+    fn route(
+        &self,
+        model: ModelIndex,
+        _: &BatchFeatures,
+        batch: &[StepView],
+        out: &mut Vec<Route>,
+    ) {
         route_rows(batch, out, |_, step| {
             // The token just sampled fills position `generated`; the draw picks the next one's.
             match self.model_for(step.request, step.generated + 1) {

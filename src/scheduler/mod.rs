@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 pub use block_pool::{chain_hash, BlockPool, Blocks, OutOfBlocks, PrefixChange, PrefixHash};
-pub use executor::{Decision, DeviceQueue, StepAsk};
+pub use executor::{Admission, Decision, DeviceQueue, StepAsk};
 pub use launch::{DelayedBatching, LaunchPolicy, ReadyQueue};
 pub use lockstep::LockStep;
 pub use published::PublishedPrefixes;

@@ -121,7 +121,7 @@ pub fn serve(
     settings: ServeSettings,
     backend: crate::model::MatmulBackend,
 ) -> anyhow::Result<()> {
-    let models = load_models(&config, crate::model::ComputeTarget::Cpu(backend))?;
+    let models = load_models(&config, backend)?;
     actix_web::rt::System::new().block_on(async move {
         let runtime = Runtime::start(&config, models)?;
         let names = config.models.iter().map(|m| m.name.clone()).collect();

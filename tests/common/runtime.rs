@@ -30,10 +30,16 @@ pub fn tiny_pair() -> Pair {
 }
 
 pub fn config(dir: &Path, rest: &str) -> Config {
+    config_on(dir, ["cpu", "cpu"], rest)
+}
+
+/// [`config`] with the SLM and the LLM on these devices.
+pub fn config_on(dir: &Path, devices: [&str; 2], rest: &str) -> Config {
     let path = dir.join("config.toml");
+    let [slm, llm] = devices;
     let text = format!(
-        "[[models]]\nname = \"slm\"\npath = \"slm.gguf\"\nbatch_threshold = 3\n\
-         [[models]]\nname = \"llm\"\npath = \"llm.gguf\"\nbatch_threshold = 2\n\
+        "[[models]]\nname = \"slm\"\npath = \"slm.gguf\"\nbatch_threshold = 3\ndevice = \"{slm}\"\n\
+         [[models]]\nname = \"llm\"\npath = \"llm.gguf\"\nbatch_threshold = 2\ndevice = \"{llm}\"\n\
          [kv_cache]\nblock_size = 4\n{rest}"
     );
     std::fs::write(&path, text).unwrap();

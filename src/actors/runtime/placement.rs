@@ -2,7 +2,7 @@
 //! compute threads its one pool has. Models naming the same device share it; with
 //! `[compute] split = "by-size"` the models on `device = "cpu"` are spread over disjoint core
 //! sets sized by their weight bytes instead (see [`thread_budget`]). No two devices ever
-//! compute on a common core.
+//! compute on a common core. A GPU device's pool is one host thread: its compute is the GPU's.
 
 use super::threads::thread_budget;
 use crate::config::{CoreSplit, DeviceSpec};
@@ -73,10 +73,12 @@ pub fn plan_devices(
             }
             _ => Vec::new(),
         };
-        let threads = if pinned.is_empty() {
-            unpinned_threads
-        } else {
-            pinned.len()
+        let threads = match &spec {
+            // A GPU model's host work (sampling, routing features) is one thread's: more would
+            // only take cores from models on the CPU.
+            DeviceSpec::Cuda(_) => 1,
+            _ if pinned.is_empty() => unpinned_threads,
+            _ => pinned.len(),
         };
         devices.push(DevicePlan {
             spec,
@@ -152,6 +154,34 @@ mod tests {
         );
         let err = plan_devices(&[model("cpu:2-3", 1)], &[0, 1], 2, CoreSplit::Shared).unwrap_err();
         assert!(err.contains("core 2"), "{err}");
+    }
+
+    #[test]
+    fn gpu_models_get_a_device_each_and_one_host_thread() {
+        let d = plan_devices(
+            &[
+                model("cpu", 1),
+                model("cuda:0", 9),
+                model("cuda:1", 9),
+                model("cuda:0", 1),
+            ],
+            &[0, 1],
+            2,
+            CoreSplit::BySize,
+        )
+        .unwrap();
+        let got: Vec<_> = d
+            .iter()
+            .map(|d| (d.spec.to_string(), d.threads, d.models.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("cpu".to_string(), 2, vec![0]),
+                ("cuda:0".to_string(), 1, vec![1, 3]),
+                ("cuda:1".to_string(), 1, vec![2]),
+            ]
+        );
     }
 
     #[test]

@@ -4,31 +4,39 @@ use super::placement::{plan_devices, DevicePlan, ModelPlacement};
 use super::*;
 use crate::actors::executor::{Attach, DeviceExecutor};
 use crate::actors::model_actor::DeviceSeat;
-use crate::config::{Role, ThresholdSource};
+use crate::config::{DeviceSpec, Role, ThresholdSource};
 use crate::kernels::parallel::{
     available_cores, install, pin_current_thread, process_cores, with_pool, ComputePool,
 };
 use crate::model::profile::{step_latencies, warm_up};
-use crate::model::ComputeTarget;
-use crate::scheduler::DeviceQueue;
+use crate::model::{ComputeTarget, MatmulBackend};
+use crate::scheduler::{Admission, DeviceQueue};
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, MAX_TUNED_CONCURRENCY};
 
-/// Loads every configured model onto `target`, naming the model in any error.
+/// Loads every configured model onto its device (`backend`: the CPU kernels of models on
+/// the CPU), naming the model in any error.
 pub fn load_models(
     config: &Config,
-    target: ComputeTarget,
+    backend: MatmulBackend,
 ) -> Result<Vec<Arc<LoadedModel>>, RuntimeError> {
     config
         .models
         .iter()
         .map(|m| {
-            LoadedModel::load_on(&m.path, target)
-                .map(Arc::new)
-                .map_err(|source| RuntimeError::Model {
-                    name: m.name.clone(),
-                    path: m.path.clone(),
-                    source: Box::new(source),
-                })
+            let target = match m.device {
+                DeviceSpec::Cuda(n) => ComputeTarget::Cuda(n),
+                DeviceSpec::Cpu | DeviceSpec::CpuCores(_) => ComputeTarget::Cpu(backend),
+            };
+            match &m.random {
+                Some(shape) => LoadedModel::load_random(&m.path, shape, target),
+                None => LoadedModel::load_on(&m.path, target),
+            }
+            .map(Arc::new)
+            .map_err(|source| RuntimeError::Model {
+                name: m.name.clone(),
+                path: m.path.clone(),
+                source: Box::new(source),
+            })
         })
         .collect()
 }
@@ -342,7 +350,15 @@ fn start_devices(config: &Config, models: &[Arc<LoadedModel>]) -> Result<Devices
         }
         let pool = ComputePool::pinned(plan.threads, &format!("compute{d}"), &plan.pinned);
         let arbiter = Arbiter::new();
-        let (name, queue) = (plan.spec.to_string(), DeviceQueue::new(&settings));
+        let admission = if plan.spec.is_cpu() {
+            Admission::OneStep
+        } else {
+            Admission::PerModel
+        };
+        let (name, queue) = (
+            plan.spec.to_string(),
+            DeviceQueue::new(admission, &settings),
+        );
         let executor = DeviceExecutor::start_in_arbiter(&arbiter.handle(), move |_| {
             DeviceExecutor::new(name, queue)
         });
