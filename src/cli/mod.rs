@@ -3,6 +3,7 @@
 //! the environment (`TOKENROUTER_<FLAG>`).
 
 mod bench;
+#[cfg(feature = "profiling")]
 mod bench_model;
 mod bench_runtime;
 mod gateway;
@@ -125,6 +126,7 @@ enum Command {
     /// from one model with --model.
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode throughput per batch size against the memory roofline.
+    #[cfg(feature = "profiling")]
     BenchModel(bench_model::BenchArgs),
     /// Benchmark a running server (or every scheduling mode with --compare-modes).
     Bench(bench::BenchArgs),
@@ -143,8 +145,11 @@ impl Cli {
     /// Whether candle's kernels do heavy work in this command (candle's matmul backend, or a
     /// `bench-model` baseline run), so candle keeps its own compute threads.
     pub fn candle_computes(&self) -> bool {
+        #[cfg(feature = "profiling")]
+        if matches!(&self.command, Command::BenchModel(args) if args.baseline_candle) {
+            return true;
+        }
         self.kernels.backend() == MatmulBackend::Candle
-            || matches!(&self.command, Command::BenchModel(args) if args.baseline_candle)
     }
 }
 
@@ -159,6 +164,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tune(args) => tune::run(args, kernels.backend()),
         Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(args, kernels.backend()),
+        #[cfg(feature = "profiling")]
         Command::BenchModel(args) => bench_model::run(args, kernels.backend()),
         Command::BenchRuntime(args) => bench_runtime::run(args, kernels.backend()),
     }
