@@ -428,12 +428,18 @@ fn serve_with_dp_size_starts_servers_behind_a_gateway_and_stops_them() {
             "2",
             "--policy",
             "round_robin",
+            "--api-key",
+            "dp-key",
         ],
         &[],
         dir,
         &[200],
     );
-    let workers = gw.get("/workers").json();
+    // The key guards the gateway as well as its servers.
+    assert_eq!(gw.get("/workers").status, 401);
+    let auth = [("Authorization", "Bearer dp-key")];
+    let get = |path: &str| request(gw.port, "GET", path, None, &auth).unwrap();
+    let workers = get("/workers").json();
     let urls: Vec<String> = workers["workers"]
         .as_array()
         .unwrap()
@@ -443,10 +449,10 @@ fn serve_with_dp_size_starts_servers_behind_a_gateway_and_stops_them() {
     assert_eq!(urls.len(), 2);
     let body = r#"{"text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}"#;
     for _ in 0..2 {
-        let r = gw.post("/generate", body);
+        let r = request(gw.port, "POST", "/generate", Some(body.as_bytes()), &auth).unwrap();
         assert_eq!(r.status, 200, "{}", r.body);
     }
-    let selected: Vec<u64> = gw.get("/workers").json()["workers"]
+    let selected: Vec<u64> = get("/workers").json()["workers"]
         .as_array()
         .unwrap()
         .iter()
@@ -503,4 +509,77 @@ fn exact_reports_route_to_the_server_holding_the_prefix() {
     assert!(hits(&s2) >= before.1 + 3.0 * cached as f64);
     let rate = gw.metric("tokenrouter_gateway_cache_hit_rate");
     assert!(rate > 0.3, "reported token hit rate {rate}");
+}
+
+/// With keys set, the gateway checks `Authorization: Bearer` before anything is routed, on
+/// every route but /health: the metrics and the worker list included. Every key of
+/// `--api-key` and of the key file is accepted; a missing or wrong one is a 401 with an
+/// OpenAI-style body.
+#[test]
+fn the_gateway_checks_its_api_keys_on_every_route_but_health() {
+    let worker = TestServer::start("", &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("keys");
+    std::fs::write(&file, "# operators\nk3\n\n").unwrap();
+    let gw = TestServer::gateway(
+        &[&worker.url()],
+        &[
+            "--api-key",
+            "k1,k2",
+            "--api-key-file",
+            file.to_str().unwrap(),
+        ],
+    );
+    let call = |method: &str, path: &str, body: Option<&str>, key: Option<&str>| {
+        let bearer = key.map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> = bearer
+            .as_deref()
+            .map(|b| vec![("Authorization", b)])
+            .unwrap_or_default();
+        request(gw.port, method, path, body.map(str::as_bytes), &headers).unwrap()
+    };
+    assert_eq!(call("GET", "/health", None, None).status, 200);
+    let chat =
+        r#"{"model": "slm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}"#;
+    for (method, path, body) in [
+        ("GET", "/metrics", None),
+        ("GET", "/workers", None),
+        ("POST", "/workers", Some(r#"{"url": "http://127.0.0.1:1"}"#)),
+        (
+            "DELETE",
+            "/workers",
+            Some(r#"{"url": "http://127.0.0.1:1"}"#),
+        ),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", Some(chat)),
+    ] {
+        for key in [None, Some("k4"), Some("k1x")] {
+            let r = call(method, path, body, key);
+            assert_eq!(r.status, 401, "{method} {path} with {key:?}: {}", r.body);
+            assert_eq!(
+                r.json()["error"]["type"],
+                "authentication_error",
+                "{}",
+                r.body
+            );
+        }
+    }
+    for key in ["k1", "k2", "k3"] {
+        assert_eq!(
+            call("GET", "/metrics", None, Some(key)).status,
+            200,
+            "{key}"
+        );
+    }
+    let r = call("POST", "/v1/chat/completions", Some(chat), Some("k2"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let workers = call("GET", "/workers", None, Some("k3")).json();
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 1);
+    // An empty key would accept anyone: refused at start.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+        .args(["gateway", "--worker-urls", "http://a:1", "--api-key", "k1,"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("empty key"));
 }

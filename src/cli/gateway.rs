@@ -1,6 +1,7 @@
 //! `tokenrouter gateway`: the cache-aware router in front of running servers (router-only
 //! mode). Every flag can also be set through the environment (`TOKENROUTER_GATEWAY_*`).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
@@ -17,8 +18,40 @@ pub struct GatewayArgs {
     pub host: String,
     #[arg(long, env = "TOKENROUTER_GATEWAY_PORT", default_value_t = 30000)]
     pub port: u16,
+    /// Require `Authorization: Bearer <key>` on every route but /health (the metrics and the
+    /// worker list included); several keys, comma-separated, are each accepted.
+    #[arg(long, env = "TOKENROUTER_GATEWAY_API_KEY", value_delimiter = ',')]
+    pub api_key: Vec<String>,
+    /// More accepted keys, one per line (blank lines and lines starting with # are skipped).
+    #[arg(long, env = "TOKENROUTER_GATEWAY_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
     #[command(flatten)]
     pub routing: GatewayRouting,
+}
+
+impl GatewayArgs {
+    /// The accepted keys: `--api-key`'s, then the key file's.
+    fn api_keys(&self) -> anyhow::Result<Vec<String>> {
+        let mut keys: Vec<String> = self.api_key.iter().map(|k| k.trim().to_string()).collect();
+        if let Some(path) = &self.api_key_file {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                anyhow::anyhow!("--api-key-file {}: cannot read it ({e})", path.display())
+            })?;
+            keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(String::from),
+            );
+            if keys.is_empty() {
+                anyhow::bail!("--api-key-file {} holds no key", path.display());
+            }
+        }
+        if keys.iter().any(String::is_empty) {
+            anyhow::bail!("--api-key: an empty key would accept anyone; remove it");
+        }
+        Ok(keys)
+    }
 }
 
 /// How the gateway routes; shared by `gateway` and `serve --dp-size`.
@@ -163,6 +196,7 @@ impl GatewayRouting {
         host: &str,
         port: u16,
         worker_urls: Vec<String>,
+        api_keys: Vec<String>,
     ) -> anyhow::Result<GatewaySettings> {
         for url in &worker_urls {
             if !url.starts_with("http://") {
@@ -218,6 +252,7 @@ impl GatewayRouting {
             max_body_bytes: 64 << 20,
             threads: self.threads.max(1),
             seed: self.seed,
+            api_keys,
         })
     }
 }
@@ -226,8 +261,11 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
     if args.worker_urls.is_empty() {
         anyhow::bail!("--worker-urls needs at least one http://host:port");
     }
-    let settings = args
-        .routing
-        .settings(&args.host, args.port, args.worker_urls.clone())?;
+    let settings = args.routing.settings(
+        &args.host,
+        args.port,
+        args.worker_urls.clone(),
+        args.api_keys()?,
+    )?;
     tokenrouter::gateway::run(settings)
 }

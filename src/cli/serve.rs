@@ -75,6 +75,7 @@ impl ServeArgs {
         &self,
         host: &str,
         port: u16,
+        api_key: Option<String>,
         kernels: &super::KernelArgs,
     ) -> anyhow::Result<()> {
         let first = port
@@ -94,7 +95,9 @@ impl ServeArgs {
             &kernels.env(),
             ready_within,
         )?;
-        let settings = self.gateway.settings(host, port, urls)?;
+        // The gateway asks for the servers' key too: it is the front door.
+        let keys = api_key.into_iter().collect();
+        let settings = self.gateway.settings(host, port, urls, keys)?;
         let result = tokenrouter::gateway::run(settings);
         drop(servers);
         result
@@ -110,9 +113,14 @@ pub fn run(args: ServeArgs, kernels: &super::KernelArgs) -> anyhow::Result<()> {
         config.serve_alone(name).map_err(anyhow::Error::msg)?;
     }
     let s = &config.server;
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| s.api_key.clone())
+        .filter(|k| !k.is_empty());
     if args.dp_size > 1 {
         let host = args.host.clone().unwrap_or_else(|| s.host.clone());
-        return args.run_data_parallel(&host, args.port.unwrap_or(s.port), kernels);
+        return args.run_data_parallel(&host, args.port.unwrap_or(s.port), api_key, kernels);
     }
     if args.dp_size == 0 {
         anyhow::bail!("--dp-size must be at least 1");
@@ -121,11 +129,7 @@ pub fn run(args: ServeArgs, kernels: &super::KernelArgs) -> anyhow::Result<()> {
     let settings = ServeSettings {
         host: args.host.clone().unwrap_or_else(|| s.host.clone()),
         port: args.port.unwrap_or(s.port),
-        api_key: args
-            .api_key
-            .clone()
-            .or_else(|| s.api_key.clone())
-            .filter(|k| !k.is_empty()),
+        api_key,
         max_requests: args.max_requests.unwrap_or(s.max_requests),
         request_timeout: (timeout > 0.0).then(|| Duration::from_secs_f64(timeout)),
         max_body_bytes: s.max_body_mb << 20,

@@ -5,7 +5,7 @@
 //! follows an approximate radix [`tree`] of the text each worker has seen. Around the choice:
 //! periodic health checks, per-worker circuit breakers, retries with backoff on another
 //! worker, a bounded queue when every worker is saturated, runtime `POST`/`DELETE /workers`,
-//! and Prometheus metrics. Knows nothing of models or tensors; talks to workers only over HTTP.
+//! Prometheus metrics, and API keys checked before anything is routed. Knows nothing of models or tensors; talks to workers only over HTTP.
 
 mod handlers;
 mod metrics;
@@ -19,8 +19,12 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
+use actix_web::body::{BoxBody, EitherBody};
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::middleware::{from_fn, Next};
 use actix_web::{web, App, HttpServer};
 
+use crate::server::auth;
 use metrics::GatewayMetrics;
 use policy::{CacheAwareSettings, Policy, PolicyKind};
 pub use proxy::{QueueSettings, RetrySettings};
@@ -46,6 +50,8 @@ pub struct GatewaySettings {
     pub threads: usize,
     /// Seed of the random policies.
     pub seed: u64,
+    /// Keys accepted in `Authorization: Bearer` on every route but `/health` (none: open).
+    pub api_keys: Vec<String>,
 }
 
 /// What every handler shares.
@@ -58,6 +64,7 @@ pub struct GatewayState {
     queued: AtomicUsize,
     max_body_bytes: usize,
     health_check_timeout: Duration,
+    api_keys: Vec<String>,
 }
 
 impl GatewayState {
@@ -71,6 +78,7 @@ impl GatewayState {
             queued: AtomicUsize::new(0),
             max_body_bytes: settings.max_body_bytes,
             health_check_timeout: settings.health_check_timeout,
+            api_keys: settings.api_keys.clone(),
         })
     }
 
@@ -120,6 +128,20 @@ async fn maintain(state: Arc<GatewayState>, every: Duration) {
     }
 }
 
+/// Checks the API key before a request is routed, when keys are set (see `server::auth`).
+async fn authorize(
+    req: ServiceRequest,
+    next: Next<BoxBody>,
+) -> Result<ServiceResponse<EitherBody<BoxBody>>, actix_web::Error> {
+    let allowed = req
+        .app_data::<web::Data<GatewayState>>()
+        .is_none_or(|state| auth::authorized(&req, &state.api_keys));
+    if !allowed {
+        return Ok(auth::unauthorized(req));
+    }
+    Ok(next.call(req).await?.map_into_left_body())
+}
+
 /// Checks the workers once, then serves until SIGINT/SIGTERM.
 pub fn run(settings: GatewaySettings) -> anyhow::Result<()> {
     actix_web::rt::System::new().block_on(async move {
@@ -140,6 +162,7 @@ pub fn run(settings: GatewaySettings) -> anyhow::Result<()> {
             App::new()
                 .app_data(data.clone())
                 .app_data(web::Data::new(client(timeout)))
+                .wrap(from_fn(authorize))
                 .configure(handlers::routes)
         })
         .workers(settings.threads)

@@ -4,6 +4,7 @@
 //! Model actors start before the HTTP workers; handlers only parse, submit and format, so no
 //! forward pass ever runs on an HTTP worker thread. Knows nothing of tensors.
 
+pub(crate) mod auth;
 mod choices;
 pub mod error;
 mod handlers;
@@ -161,7 +162,7 @@ pub fn serve(
     })
 }
 
-/// Checks `Authorization: Bearer <key>` in constant time on every route but `/health`.
+/// Checks the API key, when one is set (see [`auth`]).
 async fn authorize(
     req: ServiceRequest,
     next: Next<BoxBody>,
@@ -169,21 +170,8 @@ async fn authorize(
     let key = req
         .app_data::<web::Data<AppState>>()
         .and_then(|s| s.settings.api_key.clone());
-    if let Some(key) = key.filter(|_| req.path() != "/health") {
-        let given = req
-            .headers()
-            .get("Authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        if !constant_time_eq::constant_time_eq(given.as_bytes(), key.as_bytes()) {
-            let error = ApiError::new(
-                actix_web::http::StatusCode::UNAUTHORIZED,
-                "missing or wrong API key: send Authorization: Bearer <key>",
-            );
-            let response = actix_web::ResponseError::error_response(&error);
-            return Ok(req.into_response(response).map_into_right_body());
-        }
+    if !auth::authorized(&req, key.as_slice()) {
+        return Ok(auth::unauthorized(req));
     }
     Ok(next.call(req).await?.map_into_left_body())
 }
