@@ -9,7 +9,8 @@
 #       asynchronous + delayed batching (`delayed`, thresholds solved at start-up);
 #   (2) scaling: throughput and per-user speed at concurrency 1, 4, 16, 64 (delayed);
 #   (3) routed at p = 0.05, 0.10, 0.20 against the LLM alone and the SLM alone (concurrency 16);
-#   (4) output length 2048 → 8192 (delayed and sync, concurrency 16).
+#   (4) output length 2048 → 8192 (delayed, concurrency 16; LONG_MODES=delayed,sync adds
+#       lock-step, which alone takes minutes at 8192 tokens).
 # Each experiment writes its bench JSON and SVG plots under OUT_DIR; the summary prints one
 # table per experiment beside the published figures and checks the goals.
 #
@@ -35,24 +36,13 @@ shares="${SHARES:-0.05 0.10 0.20}"
 share_c="${SHARE_CONCURRENCY:-16}"
 long_tokens="${LONG_TOKENS:-2048,8192}"
 long_c="${LONG_CONCURRENCY:-16}"
+long_modes="${LONG_MODES:-delayed}"
 kv_mb="${KV_MB:-40000}"
 # Seconds each experiment may take.
 limit="${BENCH_TIMEOUT:-600}"
 export TOKENROUTER_KERNEL_CACHE="${TOKENROUTER_KERNEL_CACHE:-$out/cache}"
 
-# CUDA libraries: the toolkit's, then any that PyTorch's wheels carry.
-libs=$(ls -d /usr/local/cuda/lib64 /usr/local/cuda-*/lib64 /usr/local/cuda/targets/*/lib 2>/dev/null | tr '\n' ':')
-libs+=$(python3 - <<'PY' 2>/dev/null
-import glob, os
-try:
-    import nvidia
-    print(":".join(sorted({os.path.dirname(p) for d in nvidia.__path__
-                           for p in glob.glob(os.path.join(d, "**", "lib*.so*"), recursive=True)})))
-except Exception:
-    pass
-PY
-)
-export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:-}"
+. "$here/gpu-env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
   | tee "$out/gpu.txt"
 
@@ -112,7 +102,7 @@ for p in $shares; do
     --max-tokens "$max_tokens" "${extra[@]}"
 done
 for n in ${long_tokens//,/ }; do
-  bench "long-$n" --config "$(config 0.10)" --modes delayed,sync --concurrency "$long_c" \
+  bench "long-$n" --config "$(config 0.10)" --modes "$long_modes" --concurrency "$long_c" \
     --num-requests "$long_c" --max-tokens "$n"
 done
 
@@ -189,7 +179,8 @@ print(f"(4) output length at concurrency {long_c}, output tok/s (published: thro
 lengths = [int(n) for n in long_tokens.split(",")]
 got = {n: {m: level(load(f"long-{n}"), m, long_c) for m in ("delayed", "sync")} for n in lengths}
 for n in lengths:
-    print(f"  max tokens {n}: delayed {tok(got[n]['delayed'])}, sync {tok(got[n]['sync'])}")
+    sync = f", sync {tok(got[n]['sync'])}" if got[n]["sync"] else ""
+    print(f"  max tokens {n}: delayed {tok(got[n]['delayed'])}{sync}")
 a, b = got[lengths[0]]["delayed"], got[lengths[-1]]["delayed"]
 if a and b:
     drift = b["output_tok_s"] / a["output_tok_s"] - 1

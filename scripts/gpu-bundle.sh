@@ -22,7 +22,7 @@ for line in sys.stdin:
         print(m["executable"])')
 cp "$parity" "$out/cuda_parity"
 strip "$out/tokenrouter" "$out/cuda_parity"
-cp scripts/gpu-check.sh scripts/gpu-bench.sh "$out/"
+cp scripts/gpu-env.sh scripts/gpu-check.sh scripts/gpu-bench.sh "$out/"
 model=models/Qwen2.5-Coder-0.5B-Instruct.gguf
 [ -f "$model" ] || scripts/fetch-models.sh
 python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q gguf==0.19.0 \

@@ -19,19 +19,7 @@ export TOKENROUTER_KERNEL_CACHE="${TOKENROUTER_KERNEL_CACHE:-$out/cache}"
 # Seconds each bench-model run may take.
 bench_timeout="${BENCH_TIMEOUT:-150}"
 
-# CUDA libraries: the toolkit's, then any that PyTorch's wheels carry.
-libs=$(ls -d /usr/local/cuda/lib64 /usr/local/cuda-*/lib64 /usr/local/cuda/targets/*/lib 2>/dev/null | tr '\n' ':')
-libs+=$(python3 - <<'PY' 2>/dev/null
-import glob, os
-try:
-    import nvidia
-    print(":".join(sorted({os.path.dirname(p) for d in nvidia.__path__
-                           for p in glob.glob(os.path.join(d, "**", "lib*.so*"), recursive=True)})))
-except Exception:
-    pass
-PY
-)
-export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:-}"
+. "$here/gpu-env.sh"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 
