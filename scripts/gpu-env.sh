@@ -12,4 +12,5 @@ except Exception:
     pass
 PY
 )
-export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:-}"
+libs="${libs%:}"
+export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+${libs:+:}$LD_LIBRARY_PATH}"

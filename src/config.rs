@@ -110,7 +110,8 @@ pub struct ModelEntry {
     #[serde(default)]
     pub threads: Option<usize>,
     /// Where the model computes: `cpu` (default), `cpu:A-B` (these cores, threads pinned) or
-    /// `cuda:N`. Models naming the same device take turns on it.
+    /// `cuda:N`. Models naming the same CPU device take turns on it; models on one GPU run side
+    /// by side, each on its own stream.
     #[serde(default)]
     pub device: DeviceSpec,
     /// Random weights of a known shape (`NAME[:FORMAT]`, as `bench-model --random`) instead
@@ -433,6 +434,12 @@ impl Config {
             if let (DeviceSpec::Cuda(_), false) = (&m.device, cfg!(feature = "cuda")) {
                 return Err(format!(
                     "models[{i}].device = \"{}\": this build has no CUDA backend; build with `--features cuda`, or use \"cpu\" or a core set such as \"cpu:0-7\"",
+                    m.device
+                ));
+            }
+            if !m.device.is_cpu() && self.kv_cache.dtype != KvDtype::F16 {
+                return Err(format!(
+                    "models[{i}].device = \"{}\" keeps its KV cache in f16: set kv_cache.dtype = \"f16\"",
                     m.device
                 ));
             }

@@ -459,6 +459,10 @@ fn serve_with_dp_size_starts_servers_behind_a_gateway_and_stops_them() {
         .map(|w| w["selected"].as_u64().unwrap())
         .collect();
     assert_eq!(selected, [1, 1]);
+    // GETs the gateway forwards carry the client's key to the servers.
+    let models = get("/v1/models");
+    assert_eq!(models.status, 200, "{}", models.body);
+    assert_eq!(get("/get_server_info").status, 200);
     assert!(gw.terminate().success());
     let port = |u: &str| u.rsplit(':').next().unwrap().parse::<u16>().unwrap();
     for url in &urls {

@@ -164,6 +164,14 @@ fn overlapping_devices_and_missing_backends_are_rejected() {
         load_str(&two("cuda:0", "cuda:1")).is_ok(),
         cfg!(feature = "cuda")
     );
+    // A GPU keeps its KV cache in f16.
+    let f32_kv = format!("{}[kv_cache]\ndtype = \"f32\"\n", two("cpu:0", "cuda:0"));
+    let err = load_str(&f32_kv).unwrap_err().to_string();
+    let needle = match cfg!(feature = "cuda") {
+        true => "set kv_cache.dtype = \"f16\"",
+        false => "this build has no CUDA backend",
+    };
+    assert!(err.contains(needle), "{err}");
     let err = load_str(&two("tpu", "cpu")).unwrap_err().to_string();
     assert!(err.contains("device \"tpu\""), "{err}");
 }

@@ -58,16 +58,24 @@ async fn proxied(
     result
 }
 
-async fn models(state: State, client: Client) -> Result<HttpResponse, ApiError> {
-    forward_get(&state, &client, "/v1/models").await
+async fn models(state: State, client: Client, req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    forward_get(&state, &client, &req, "/v1/models").await
 }
 
-async fn server_info(state: State, client: Client) -> Result<HttpResponse, ApiError> {
-    forward_get(&state, &client, "/get_server_info").await
+async fn server_info(
+    state: State,
+    client: Client,
+    req: HttpRequest,
+) -> Result<HttpResponse, ApiError> {
+    forward_get(&state, &client, &req, "/get_server_info").await
 }
 
-async fn health_generate(state: State, client: Client) -> Result<HttpResponse, ApiError> {
-    forward_get(&state, &client, "/health_generate").await
+async fn health_generate(
+    state: State,
+    client: Client,
+    req: HttpRequest,
+) -> Result<HttpResponse, ApiError> {
+    forward_get(&state, &client, &req, "/health_generate").await
 }
 
 /// Healthy while at least one worker can take requests.

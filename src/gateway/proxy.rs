@@ -143,16 +143,14 @@ async fn send(
     awc::ClientResponse<impl futures_util::Stream<Item = Result<Bytes, awc::error::PayloadError>>>,
     String,
 > {
-    let mut upstream = client
+    let upstream = client
         .post(format!("{}{path}", worker.url))
         .timeout(timeout)
         .insert_header((header::CONTENT_TYPE, "application/json"));
-    for name in [header::AUTHORIZATION, header::ACCEPT] {
-        if let Some(value) = req.headers().get(&name) {
-            upstream = upstream.insert_header((name, value.clone()));
-        }
-    }
-    upstream.send_body(body).await.map_err(|e| e.to_string())
+    with_client_headers(upstream, req)
+        .send_body(body)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// Proxies a generation request (`/v1/chat/completions`, `/v1/completions`, `/generate`).
@@ -290,10 +288,22 @@ where
     out.streaming(body)
 }
 
+/// The client's `Authorization` (servers with a key accept the gateway's clients) and
+/// `Accept`, on a request to a worker.
+fn with_client_headers(mut upstream: awc::ClientRequest, req: &HttpRequest) -> awc::ClientRequest {
+    for name in [header::AUTHORIZATION, header::ACCEPT] {
+        if let Some(value) = req.headers().get(&name) {
+            upstream = upstream.insert_header((name, value.clone()));
+        }
+    }
+    upstream
+}
+
 /// Forwards a GET (model list, server info) to the least-loaded routable worker.
 pub async fn forward_get(
     state: &GatewayState,
     client: &awc::Client,
+    req: &HttpRequest,
     path: &str,
 ) -> Result<HttpResponse, ApiError> {
     let workers = state.workers.routable(&[]);
@@ -301,9 +311,10 @@ pub async fn forward_get(
         return Err(unavailable("no healthy worker is available; retry shortly"));
     };
     let guard = state.workers.start(worker);
-    let response = client
+    let upstream = client
         .get(format!("{}{path}", worker.url))
-        .timeout(state.retry_settings.request_timeout)
+        .timeout(state.retry_settings.request_timeout);
+    let response = with_client_headers(upstream, req)
         .send()
         .await
         .map_err(|e| {

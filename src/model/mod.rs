@@ -125,7 +125,8 @@ impl LoadedModel {
         random: Option<&str>,
     ) -> Result<Self> {
         let mut file = gguf::GgufFile::open(path, device)?;
-        // The file's own config is checked first: a wrong architecture is the error to report.
+        // With its own weights, the file's config is checked first: a wrong architecture is
+        // the error to report.
         let weights = match random {
             Some(spec) => Weights::Random(spec),
             None => Weights::Own(file.config()?, ()),

@@ -1,8 +1,9 @@
 //! Placement: which models share a device, which cores each device computes on, and how many
 //! compute threads its one pool has. Models naming the same device share it; with
 //! `[compute] split = "by-size"` the models on `device = "cpu"` are spread over disjoint core
-//! sets sized by their weight bytes instead (see [`thread_budget`]). No two devices ever
-//! compute on a common core. A GPU device's pool is one host thread: its compute is the GPU's.
+//! sets sized by their weight bytes instead (see [`thread_budget`]). No two CPU devices ever
+//! compute on a common core. A GPU device's pool is one unpinned host thread (its compute is
+//! the GPU's): it samples and waits on its stream, sharing a core with a CPU device if any.
 
 use super::threads::thread_budget;
 use crate::config::{CoreSplit, DeviceSpec};

@@ -408,8 +408,8 @@ fn online_profile(
     let profile = LatencyProfile {
         slm: measure(slm)?,
         llm: measure(llm)?,
-        // Models on one device take turns on it.
-        shared_compute: Arc::ptr_eq(&pools[slm], &pools[llm]),
+        // Models on one CPU device take turns on it; on one GPU each has a stream of its own.
+        shared_compute: Arc::ptr_eq(&pools[slm], &pools[llm]) && config.models[slm].device.is_cpu(),
     };
     tracing::info!(?profile, "step latencies for online thresholds");
     Ok(Some(Arc::new(profile)))
