@@ -587,3 +587,35 @@ fn the_gateway_checks_its_api_keys_on_every_route_but_health() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("empty key"));
 }
+
+/// A worker that dies in the middle of a stream (half an event sent, then the connection
+/// dropped): the client gets every whole event, then an error event naming the worker and
+/// `[DONE]`, never the half event; the failure counts against the worker.
+#[test]
+fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
+    let a = MockWorker::start("a");
+    a.state.chunks.store(10, Ordering::SeqCst);
+    a.state.chunk_ms.store(10, Ordering::SeqCst);
+    a.state.die_at.store(3, Ordering::SeqCst);
+    let gw = TestServer::gateway(&[&a.url], &["--breaker-failures", "1"]);
+    let r = gw.post("/v1/chat/completions", &chat("s", "u", true));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events: Vec<&str> = r.body.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 5, "{}", r.body);
+    for (i, event) in events[..3].iter().enumerate() {
+        let json: serde_json::Value =
+            serde_json::from_str(event.strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(json["i"], i, "{event}");
+    }
+    let error: serde_json::Value =
+        serde_json::from_str(events[3].strip_prefix("data: ").unwrap()).unwrap();
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&a.url) && message.contains("mid-stream"),
+        "{message}"
+    );
+    assert_eq!(events[4], "data: [DONE]");
+    let workers = gw.get("/workers").json();
+    assert_eq!(workers["workers"][0]["breaker_open"], true, "{workers}");
+    assert_eq!(workers["workers"][0]["in_flight"], 0, "{workers}");
+}

@@ -16,7 +16,7 @@ use futures_util::StreamExt;
 use super::policy::RouteRequest;
 use super::request_text::{routing_text, Endpoint};
 use super::tree::WorkerId;
-use super::workers::{InFlight, Worker};
+use super::workers::{HealthPolicy, InFlight, Worker};
 use super::GatewayState;
 use crate::server::error::ApiError;
 
@@ -205,7 +205,7 @@ pub async fn forward(
                 } else {
                     "proxied"
                 });
-                return Ok(pass_through(response, guard));
+                return Ok(pass_through(response, guard, policy.clone()));
             }
             Ok(response) => {
                 if response.status() != StatusCode::SERVICE_UNAVAILABLE {
@@ -270,8 +270,16 @@ async fn reports(
     (!answered.is_empty() && answered.len() == workers.len()).then_some(answered)
 }
 
-/// The worker's response, streamed through as it arrives, holding the load guard.
-fn pass_through<S>(response: awc::ClientResponse<S>, guard: InFlight) -> HttpResponse
+/// The worker's response, streamed through as it arrives, holding the load guard. An event
+/// stream is passed on whole events at a time, so that a worker failing mid-stream (its
+/// connection lost, or the stream ending without `[DONE]`) leaves the client a final error
+/// event and `[DONE]`, as a server's own failures end a stream, never half an event; the
+/// failure counts against the worker.
+fn pass_through<S>(
+    response: awc::ClientResponse<S>,
+    guard: InFlight,
+    health: HealthPolicy,
+) -> HttpResponse
 where
     S: futures_util::Stream<Item = Result<Bytes, awc::error::PayloadError>> + Unpin + 'static,
 {
@@ -281,11 +289,87 @@ where
             out.insert_header((name.clone(), value.clone()));
         }
     }
-    let body = response.map(move |chunk| {
-        let _held = &guard;
-        chunk
-    });
-    out.streaming(body)
+    let events = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.starts_with("text/event-stream"));
+    let relay = Relay {
+        upstream: response,
+        events,
+        pending: Vec::new(),
+        finished: false,
+        done: false,
+        guard,
+        health,
+    };
+    out.streaming(futures_util::stream::unfold(relay, Relay::next))
+}
+
+/// A worker's body on its way to the client (see [`pass_through`]).
+struct Relay<S> {
+    upstream: S,
+    /// Whether the body is an event stream.
+    events: bool,
+    /// Bytes of an event not yet complete.
+    pending: Vec<u8>,
+    /// `data: [DONE]` went out.
+    finished: bool,
+    /// Nothing more to send.
+    done: bool,
+    guard: InFlight,
+    health: HealthPolicy,
+}
+
+impl<S> Relay<S>
+where
+    S: futures_util::Stream<Item = Result<Bytes, awc::error::PayloadError>> + Unpin,
+{
+    async fn next(mut self) -> Option<(Result<Bytes, awc::error::PayloadError>, Self)> {
+        while !self.done {
+            match self.upstream.next().await {
+                Some(Ok(chunk)) if !self.events => return Some((Ok(chunk), self)),
+                Some(Ok(chunk)) => {
+                    self.pending.extend_from_slice(&chunk);
+                    let Some(end) = self.pending.windows(2).rposition(|w| w == b"\n\n") else {
+                        continue;
+                    };
+                    let whole: Vec<u8> = self.pending.drain(..end + 2).collect();
+                    self.finished |= whole.windows(12).any(|w| w == b"data: [DONE]");
+                    return Some((Ok(Bytes::from(whole)), self));
+                }
+                // A connection lost after `[DONE]` lost nothing.
+                Some(Err(_)) if self.finished => self.done = true,
+                Some(Err(e)) if !self.events => {
+                    self.fail();
+                    return Some((Err(e), self));
+                }
+                Some(Err(e)) => return Some((Ok(self.fail_with(&e.to_string())), self)),
+                None if !self.events || self.finished => self.done = true,
+                None => return Some((Ok(self.fail_with("the stream ended early")), self)),
+            }
+        }
+        None
+    }
+
+    fn fail(&mut self) {
+        self.done = true;
+        self.guard
+            .worker()
+            .record_outcome(false, &self.health, Instant::now());
+    }
+
+    /// Ends the stream with an error event naming the worker, then `[DONE]`.
+    fn fail_with(&mut self, what: &str) -> Bytes {
+        self.fail();
+        let url = &self.guard.worker().url;
+        tracing::warn!(worker = %url, "worker failed mid-stream: {what}");
+        let error = ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("worker {url} failed mid-stream ({what}); the answer is incomplete"),
+        );
+        Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", error.body()))
+    }
 }
 
 /// The client's `Authorization` (servers with a key accept the gateway's clients) and
@@ -323,7 +407,7 @@ pub async fn forward_get(
                 format!("worker {}: {e}", worker.url),
             )
         })?;
-    Ok(pass_through(response, guard))
+    Ok(pass_through(response, guard, state.workers.policy.clone()))
 }
 
 /// Whether a worker answers `/health` with 200 within `timeout`.

@@ -20,6 +20,9 @@ pub struct MockState {
     /// SSE chunks per streamed answer, and the pause before each.
     pub chunks: AtomicUsize,
     pub chunk_ms: AtomicU64,
+    /// Dies at this chunk of a stream (0: never): sends half an event, then drops the
+    /// connection, as a killed server does.
+    pub die_at: AtomicUsize,
     pub requests: AtomicUsize,
     /// Streams dropped before their last chunk (the client went away).
     pub disconnects: AtomicUsize,
@@ -75,6 +78,7 @@ async fn generation(state: web::Data<MockState>, body: Bytes) -> HttpResponse {
     }
     let chunks = state.chunks.load(Ordering::SeqCst).max(1);
     let pause = Duration::from_millis(state.chunk_ms.load(Ordering::SeqCst));
+    let die_at = state.die_at.load(Ordering::SeqCst);
     let end = StreamEnd {
         state: state.clone(),
         finished: false,
@@ -84,7 +88,13 @@ async fn generation(state: web::Data<MockState>, body: Bytes) -> HttpResponse {
             return None;
         }
         tokio::time::sleep(pause).await;
-        let data = if i == chunks {
+        if die_at > 0 && i > die_at {
+            let dead = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "killed");
+            return Some((Err(actix_web::Error::from(dead)), (i + 1, end)));
+        }
+        let data = if die_at > 0 && i == die_at {
+            format!("data: {{\"worker\": \"{}\", \"i\"", end.state.name)
+        } else if i == chunks {
             end.finished = true;
             "data: [DONE]\n\n".to_string()
         } else {
