@@ -505,3 +505,33 @@ fn an_idle_server_after_a_burst_uses_almost_no_cpu() {
         "the idle server used {used:.3} s of CPU in 10 s"
     );
 }
+
+/// Too many request headers, or one too long, is refused with 431 before any handler runs, on
+/// the server and on a gateway in front of it, and both keep serving.
+#[test]
+fn a_header_flood_is_refused_and_the_server_keeps_serving() {
+    let server = TestServer::start("", &[]);
+    let gateway = TestServer::gateway(&[&server.url()], &[]);
+    let names: Vec<String> = (0..500).map(|i| format!("X-Flood-{i}")).collect();
+    let flood: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), "1")).collect();
+    let long = "v".repeat(512 << 10);
+    for port in [server.port, gateway.port] {
+        let r = request(port, "GET", "/v1/models", None, &flood).expect("an answer");
+        assert_eq!(r.status, 431, "500 headers");
+        // Half a megabyte of one header: a 431, or the connection closed before it is all sent.
+        let r = request(
+            port,
+            "GET",
+            "/v1/models",
+            None,
+            &[("X-Long", long.as_str())],
+        );
+        assert!(
+            r.as_ref().is_none_or(|r| r.status == 431),
+            "{:?}",
+            r.map(|r| r.status)
+        );
+        let r = request(port, "GET", "/v1/models", None, &[]).expect("an answer");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
