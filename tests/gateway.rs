@@ -5,6 +5,7 @@
 mod common;
 
 use std::io::Read;
+use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -618,4 +619,88 @@ fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     let workers = gw.get("/workers").json();
     assert_eq!(workers["workers"][0]["breaker_open"], true, "{workers}");
     assert_eq!(workers["workers"][0]["in_flight"], 0, "{workers}");
+}
+
+/// The process of the `serve --dp-size` server listening on `port`.
+fn server_pid(port: u16) -> Option<u32> {
+    let port = port.to_string();
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            let serves_port = args
+                .windows(2)
+                .any(|w| w[0] == b"--port" && w[1] == port.as_bytes());
+            (serves_port && args.contains(&&b"--host"[..])).then_some(pid)
+        })
+}
+
+/// `kill -9` of one `serve --dp-size` server: requests keep being answered (those routed to it
+/// are retried on the other), the gateway marks it down, the server is started again on its
+/// port, and the gateway takes it back and routes to it again.
+#[test]
+fn serve_with_dp_size_restarts_a_killed_server_and_takes_it_back() {
+    let dir = common::server::tiny_pair_config("");
+    let config = dir.path().join("config.toml");
+    let mut gw = TestServer::launch_on(
+        common::server::free_port_run(2),
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--dp-size",
+            "2",
+            "--policy",
+            "round_robin",
+            "--health-check-interval",
+            "0.1",
+            "--health-failure-threshold",
+            "1",
+            "--health-success-threshold",
+            "1",
+        ],
+        &[],
+        dir,
+        &[200],
+    );
+    let worker = |gw: &TestServer, i: usize| gw.get("/workers").json()["workers"][i].clone();
+    let url = worker(&gw, 0)["url"].as_str().unwrap().to_string();
+    let port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
+    let pid = server_pid(port).expect("the server's process");
+    Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    let body = r#"{"text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}"#;
+    for _ in 0..4 {
+        let r = gw.post("/generate", body);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    wait_until("the killed server is out", Duration::from_secs(30), || {
+        let w = worker(&gw, 0);
+        w["healthy"] == false || w["breaker_open"] == true
+    });
+    wait_until(
+        "the server is started again",
+        Duration::from_secs(30),
+        || server_pid(port).is_some_and(|p| p != pid),
+    );
+    wait_until(
+        "the gateway takes it back",
+        Duration::from_secs(120),
+        || {
+            let w = worker(&gw, 0);
+            w["healthy"] == true && w["breaker_open"] == false
+        },
+    );
+    let before = worker(&gw, 0)["selected"].as_u64().unwrap();
+    for _ in 0..4 {
+        let r = gw.post("/generate", body);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    assert!(worker(&gw, 0)["selected"].as_u64().unwrap() > before);
+    assert!(gw.terminate().success());
 }
