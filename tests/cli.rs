@@ -513,3 +513,27 @@ fn a_config_serves_random_models_routed_by_a_seeded_share() {
         assert_fails_with(&out, "this build has no CUDA backend");
     }
 }
+
+/// A model of the config that cannot load is one line naming the model, its file and the
+/// cause, said once.
+#[test]
+fn a_configured_model_that_cannot_load_is_named_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        "[[models]]\nname = \"small\"\npath = \"missing.gguf\"\n",
+    )
+    .unwrap();
+    let out = tokenrouter(&[
+        "generate",
+        "--config",
+        config.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
+    assert_fails_with(&out, "model 'small'");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.matches("missing.gguf:").count(), 1, "{stderr}");
+    assert_eq!(stderr.matches("os error 2").count(), 1, "{stderr}");
+}

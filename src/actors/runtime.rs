@@ -19,12 +19,13 @@ use crate::scheduler::{DelayedBatching, LaunchPolicy, PublishedPrefixes, Schedul
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
-    #[error("model '{name}' ({path}): {source}")]
+    /// The model's error is part of the message, not a source, so that an error chain printed
+    /// in full (`{:#}`) says it once.
+    #[error("model '{name}' ({path}): {error}")]
     Model {
         name: String,
         path: PathBuf,
-        #[source]
-        source: Box<ModelError>,
+        error: Box<ModelError>,
     },
     #[error(transparent)]
     Routing(#[from] RoutingError),

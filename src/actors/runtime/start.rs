@@ -35,7 +35,7 @@ pub fn load_models(
             .map_err(|source| RuntimeError::Model {
                 name: m.name.clone(),
                 path: m.path.clone(),
-                source: Box::new(source),
+                error: Box::new(source),
             })
         })
         .collect()
@@ -129,7 +129,7 @@ impl Runtime {
             with_pool(pool, || warm_up(&model.model)).map_err(|source| RuntimeError::Model {
                 name: entry.name.clone(),
                 path: entry.path.clone(),
-                source: Box::new(source),
+                error: Box::new(source),
             })?;
         }
         let profile = online_profile(config, &models, &pools)?;
@@ -173,7 +173,7 @@ impl Runtime {
             let worker = ModelWorker::new(setup).map_err(|source| RuntimeError::Model {
                 name: entry.name.clone(),
                 path: entry.path.clone(),
-                source: Box::new(source),
+                error: Box::new(source),
             })?;
             workers.push(worker);
         }
@@ -402,7 +402,7 @@ fn online_profile(
         .map_err(|source| RuntimeError::Model {
             name: config.models[i].name.clone(),
             path: config.models[i].path.clone(),
-            source: Box::new(source),
+            error: Box::new(source),
         })
     };
     let profile = LatencyProfile {
