@@ -414,28 +414,27 @@ fn serve_with_dp_size_names_a_taken_server_port() {
     );
 }
 
-#[test]
-fn serve_with_dp_size_starts_servers_behind_a_gateway_and_stops_them() {
+/// `serve --dp-size 2 --policy round_robin EXTRA...` over the tiny pair: the two servers take
+/// the two ports after the gateway's.
+fn serve_dp(extra: &[&str]) -> TestServer {
     let dir = common::server::tiny_pair_config("");
     let config = dir.path().join("config.toml");
-    // The two servers take the two ports after the gateway's.
-    let mut gw = TestServer::launch_on(
-        common::server::free_port_run(2),
-        &[
-            "serve",
-            "--config",
-            config.to_str().unwrap(),
-            "--dp-size",
-            "2",
-            "--policy",
-            "round_robin",
-            "--api-key",
-            "dp-key",
-        ],
-        &[],
-        dir,
-        &[200],
-    );
+    let mut args = vec![
+        "serve",
+        "--config",
+        config.to_str().unwrap(),
+        "--dp-size",
+        "2",
+        "--policy",
+        "round_robin",
+    ];
+    args.extend_from_slice(extra);
+    TestServer::launch_on(common::server::free_port_run(2), &args, &[], dir, &[200])
+}
+
+#[test]
+fn serve_with_dp_size_starts_servers_behind_a_gateway_and_stops_them() {
+    let mut gw = serve_dp(&["--api-key", "dp-key"]);
     // The key guards the gateway as well as its servers.
     assert_eq!(gw.get("/workers").status, 401);
     let auth = [("Authorization", "Bearer dp-key")];
@@ -643,29 +642,14 @@ fn server_pid(port: u16) -> Option<u32> {
 /// port, and the gateway takes it back and routes to it again.
 #[test]
 fn serve_with_dp_size_restarts_a_killed_server_and_takes_it_back() {
-    let dir = common::server::tiny_pair_config("");
-    let config = dir.path().join("config.toml");
-    let mut gw = TestServer::launch_on(
-        common::server::free_port_run(2),
-        &[
-            "serve",
-            "--config",
-            config.to_str().unwrap(),
-            "--dp-size",
-            "2",
-            "--policy",
-            "round_robin",
-            "--health-check-interval",
-            "0.1",
-            "--health-failure-threshold",
-            "1",
-            "--health-success-threshold",
-            "1",
-        ],
-        &[],
-        dir,
-        &[200],
-    );
+    let mut gw = serve_dp(&[
+        "--health-check-interval",
+        "0.1",
+        "--health-failure-threshold",
+        "1",
+        "--health-success-threshold",
+        "1",
+    ]);
     let worker = |gw: &TestServer, i: usize| gw.get("/workers").json()["workers"][i].clone();
     let url = worker(&gw, 0)["url"].as_str().unwrap().to_string();
     let port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
