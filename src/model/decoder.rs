@@ -20,9 +20,12 @@ use super::batch::SeqInput;
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
-use super::timing::{projection_of, timed, Part, PROJECTIONS};
-use super::weights::{MatmulBackend, Weight, WeightSource};
+use super::timing::{timed, Part, PROJECTIONS};
+use super::weights::{MatmulBackend, WeightSource};
 use crate::kernels::rope::inverse_frequencies;
+use load::{CountingSource, Loader};
+
+mod load;
 
 pub struct ForwardOutput {
     /// `[rows, vocab]`, `f32`: logits at the last new position of each sequence with
@@ -261,110 +264,6 @@ struct StepCtx<'s, 'a, B: Backend> {
     step: B::Step<'a>,
     /// New tokens in the batch.
     tokens: usize,
-}
-
-/// Counts the bytes of every matrix a decode step streams from memory.
-struct CountingSource<'a> {
-    inner: &'a mut dyn WeightSource,
-    bytes: usize,
-    /// The part of `bytes` in each of the layers' projections, in the order of
-    /// [`PROJECTIONS`].
-    projections: [usize; PROJECTIONS.len()],
-}
-
-impl CountingSource<'_> {
-    fn count(&mut self, name: &str, bytes: usize) {
-        self.bytes += bytes;
-        if let Some(p) = projection_of(name) {
-            self.projections[p] += bytes;
-        }
-    }
-}
-
-impl WeightSource for CountingSource<'_> {
-    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
-        let w = self.inner.matrix(name, rows, cols)?;
-        self.count(name, w.storage_bytes());
-        Ok(w)
-    }
-    fn vector(&mut self, name: &str, len: usize) -> Result<Tensor> {
-        let v = self.inner.vector(name, len)?;
-        self.count(name, len * 4);
-        Ok(v)
-    }
-    fn contains(&self, name: &str) -> bool {
-        self.inner.contains(name)
-    }
-}
-
-/// Reads weights for the backend to make ready: each matrix, vector and norm by name.
-struct Loader<'s, 'c, B: Backend> {
-    backend: &'s B,
-    src: &'s mut CountingSource<'c>,
-    config: &'s ModelConfig,
-}
-
-impl<B: Backend> Loader<'_, '_, B> {
-    fn norm(&mut self, name: &str, len: usize) -> Result<B::Norm> {
-        let w = self.src.vector(name, len)?;
-        self.backend.norm(&w, self.config.rms_norm_eps)
-    }
-
-    /// Projections `parts` (name and rows) over `inp` inputs, with biases when `bias`.
-    fn linear(&mut self, parts: &[(&str, usize)], inp: usize, bias: bool) -> Result<B::Linear> {
-        let mut weights = Vec::with_capacity(parts.len());
-        let mut biases = Vec::with_capacity(parts.len());
-        for &(name, rows) in parts {
-            weights.push(self.src.matrix(&format!("{name}.weight"), rows, inp)?);
-            if bias {
-                biases.push(self.src.vector(&format!("{name}.bias"), rows)?);
-            }
-        }
-        let widths: Vec<usize> = parts.iter().map(|p| p.1).collect();
-        self.backend.linear(&weights, &biases, &widths)
-    }
-
-    fn layer(&mut self, i: usize) -> Result<DecoderLayer<B>> {
-        let c = self.config;
-        let p = format!("blk.{i}");
-        let h = c.hidden_size;
-        let head_norm =
-            |l: &mut Self, name: &str| l.norm(&format!("{p}.{name}.weight"), c.head_dim);
-        let attn = Attention {
-            qkv: self.linear(
-                &[
-                    (&format!("{p}.attn_q"), c.q_dim()),
-                    (&format!("{p}.attn_k"), c.kv_dim()),
-                    (&format!("{p}.attn_v"), c.kv_dim()),
-                ],
-                h,
-                c.qkv_bias,
-            )?,
-            o: self.linear(&[(&format!("{p}.attn_output"), h)], c.q_dim(), false)?,
-            q_norm: c
-                .qk_norm
-                .then(|| head_norm(self, "attn_q_norm"))
-                .transpose()?,
-            k_norm: c
-                .qk_norm
-                .then(|| head_norm(self, "attn_k_norm"))
-                .transpose()?,
-        };
-        let ffn = c.intermediate_size;
-        let attn_norm = self.norm(&format!("{p}.attn_norm.weight"), h)?;
-        let ffn_norm = self.norm(&format!("{p}.ffn_norm.weight"), h)?;
-        let gate = self.src.matrix(&format!("{p}.ffn_gate.weight"), ffn, h)?;
-        let up = self.src.matrix(&format!("{p}.ffn_up.weight"), ffn, h)?;
-        Ok(DecoderLayer {
-            attn_norm,
-            attn,
-            ffn_norm,
-            mlp: Mlp {
-                gate_up: self.backend.gate_up(gate, up, ffn, h)?,
-                down: self.linear(&[(&format!("{p}.ffn_down"), h)], ffn, false)?,
-            },
-        })
-    }
 }
 
 impl<B: Backend> Decoder<B> {
