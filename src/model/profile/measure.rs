@@ -79,15 +79,19 @@ pub fn measure_with(
             )
         })
         .collect();
+    // One step of every sequence together; its logits.
+    let mut step_all = |seqs: &mut [Sequence]| {
+        step(
+            model,
+            &mut kv,
+            &pool,
+            &mut seqs.iter_mut().collect::<Vec<_>>(),
+            false,
+        )
+        .map(|out| out.logits)
+    };
     let started = Instant::now();
-    let mut logits = step(
-        model,
-        &mut kv,
-        &pool,
-        &mut seqs.iter_mut().collect::<Vec<_>>(),
-        false,
-    )?
-    .logits;
+    let mut logits = step_all(&mut seqs)?;
     let prefill = started.elapsed().as_secs_f64();
     let mut step_secs = Vec::with_capacity(work.decode_steps);
     take_breakdown();
@@ -100,14 +104,7 @@ pub fn measure_with(
                 seq.tokens.push(argmax(row));
             }
         })?;
-        logits = step(
-            model,
-            &mut kv,
-            &pool,
-            &mut seqs.iter_mut().collect::<Vec<_>>(),
-            false,
-        )?
-        .logits;
+        logits = step_all(&mut seqs)?;
         step_secs.push(started.elapsed().as_secs_f64());
         between(s);
     }
