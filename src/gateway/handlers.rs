@@ -20,15 +20,22 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/v1/chat/completions", proxy(Endpoint::Chat))
         .route("/v1/completions", proxy(Endpoint::Completion))
         .route("/generate", proxy(Endpoint::Generate))
-        .route("/v1/models", web::get().to(models))
-        .route("/get_server_info", web::get().to(server_info))
+        .route("/v1/models", forwarded_get("/v1/models"))
+        .route("/get_server_info", forwarded_get("/get_server_info"))
         .route("/health", web::get().to(health))
-        .route("/health_generate", web::get().to(health_generate))
+        .route("/health_generate", forwarded_get("/health_generate"))
         .route("/metrics", web::get().to(metrics))
         .route("/workers", web::get().to(list_workers))
         .route("/workers", web::post().to(add_worker))
         .route("/workers", web::delete().to(remove_worker))
         .default_service(web::to(not_found));
+}
+
+/// The route of a GET passed to one server (model list, server info, a generation check).
+fn forwarded_get(path: &'static str) -> actix_web::Route {
+    web::get().to(move |s: State, c: Client, r: HttpRequest| async move {
+        forward_get(&s, &c, &r, path).await
+    })
 }
 
 /// The route of a proxied generation endpoint.
@@ -56,26 +63,6 @@ async fn proxied(
         }
     }
     result
-}
-
-async fn models(state: State, client: Client, req: HttpRequest) -> Result<HttpResponse, ApiError> {
-    forward_get(&state, &client, &req, "/v1/models").await
-}
-
-async fn server_info(
-    state: State,
-    client: Client,
-    req: HttpRequest,
-) -> Result<HttpResponse, ApiError> {
-    forward_get(&state, &client, &req, "/get_server_info").await
-}
-
-async fn health_generate(
-    state: State,
-    client: Client,
-    req: HttpRequest,
-) -> Result<HttpResponse, ApiError> {
-    forward_get(&state, &client, &req, "/health_generate").await
 }
 
 /// Healthy while at least one worker can take requests.
