@@ -33,7 +33,7 @@ pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use decoder::{ForwardOutput, Model};
 pub use error::{ModelError, Result};
 pub use kv_cache::{KvCache, KvDtype};
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{Distribution, Sampler, SamplingParams};
 pub use tokenizer::{IncrementalDecoder, SpecialTokens};
 pub use weights::{gated_kernel, packed_kernel, MatmulBackend, OwnKernel, Weight, WeightSource};
 

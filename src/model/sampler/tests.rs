@@ -370,3 +370,81 @@ fn invalid_values_name_the_field() {
     .unwrap();
     assert!(err.to_string().contains("temperature"));
 }
+
+/// The whole distribution equals the softmax computed here independently, with penalties
+/// and temperature, and top-k keeps the k largest, renormalised.
+#[test]
+fn the_distribution_is_the_one_sampling_draws_from() {
+    let (logits, output) = spread_row();
+    for temperature in [1.0f32, 0.7] {
+        let s = sampler(SamplingParams {
+            temperature,
+            frequency_penalty: 0.5,
+            ..SamplingParams::default()
+        });
+        let want = softmax(&logits, temperature as f64);
+        let dist = s.distribution(&logits, &[], &output);
+        for (t, &p) in want.iter().enumerate() {
+            let got = dist.prob(t as u32) as f64;
+            assert!((got - p).abs() < 1e-6, "token {t}: {got} against {p}");
+        }
+    }
+    let s = sampler(SamplingParams {
+        top_k: 3,
+        frequency_penalty: 0.5,
+        ..SamplingParams::default()
+    });
+    let want = softmax(&logits, 1.0);
+    let mut order: Vec<usize> = (0..want.len()).collect();
+    order.sort_by(|&a, &b| want[b].total_cmp(&want[a]));
+    let mass: f64 = order[..3].iter().map(|&i| want[i]).sum();
+    let dist = s.distribution(&logits, &[], &output);
+    assert_eq!(dist.entries().len(), 3);
+    for &i in &order[..3] {
+        assert!((dist.prob(i as u32) as f64 - want[i] / mass).abs() < 1e-6);
+    }
+    let greedy = sampler(SamplingParams::greedy());
+    assert_eq!(greedy.distribution(&logits, &[], &[]).entries(), [(3, 1.0)]);
+}
+
+/// Speculative sampling: tokens drafted from `q` and verified against `p` (accepted, or
+/// replaced from the residual) follow `p`, whatever `q` is, and drafts from `p` itself are
+/// always accepted.
+#[test]
+fn verified_drafts_follow_the_verifiers_distribution() {
+    let (logits, output) = spread_row();
+    let params = |seed| SamplingParams {
+        frequency_penalty: 0.5,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let mut verifier = sampler(params(3));
+    let p = verifier.distribution(&logits, &[], &output);
+    let probs = softmax(&logits, 1.0);
+    let shifted: Vec<f32> = logits.iter().rev().copied().collect();
+    let flat = vec![0.0f32; logits.len()];
+    let n = 100_000;
+    for (name, draft_row) in [("reversed", &shifted), ("flat", &flat), ("same", &logits)] {
+        let mut drafter = sampler(params(4));
+        let q = drafter.distribution(draft_row, &[], &output);
+        let mut seen = vec![0; logits.len()];
+        let mut rejected = 0;
+        for _ in 0..n {
+            let draft = drafter.draw(&q);
+            let token = match verifier.verify(&p, &q, draft) {
+                None => draft,
+                Some(t) => {
+                    rejected += 1;
+                    t
+                }
+            };
+            seen[token as usize] += 1;
+        }
+        assert_follows(&seen, &probs, n);
+        if name == "same" {
+            assert_eq!(rejected, 0, "a draft from the verifier's own distribution");
+        } else {
+            assert!(rejected > 0, "{name}: some drafts must be rejected");
+        }
+    }
+}
