@@ -64,13 +64,13 @@ fn main() -> anyhow::Result<()> {
                         tokens: &tokens,
                         start_pos: 0,
                         blocks: tables[0].ids(),
-                        logits: with,
+                        logits: usize::from(with),
                     }];
                     batch.extend(tables[1..].iter().map(|t| SeqInput {
                         tokens: &tokens[..1],
                         start_pos: CONTEXT,
                         blocks: t.ids(),
-                        logits: true,
+                        logits: 1,
                     }));
                     take_breakdown();
                     let started = Instant::now();

@@ -196,6 +196,42 @@ pub enum RoutingConfig {
         #[serde(default)]
         seed: u64,
     },
+    /// Speculative decoding: the SLM drafts `draft_tokens` tokens (a number, or `"auto"`:
+    /// chosen per request from its acceptance), the LLM verifies them in one pass; the output
+    /// is exactly the LLM's (its distribution, when sampling).
+    Speculative {
+        #[serde(default)]
+        draft_tokens: DraftTokens,
+    },
+}
+
+/// The most tokens speculative decoding drafts before a verification.
+pub const MAX_DRAFT_TOKENS: usize = 16;
+
+/// How many tokens speculative decoding drafts before each verification.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DraftTokens {
+    Fixed(usize),
+    #[default]
+    Auto,
+}
+
+impl<'de> Deserialize<'de> for DraftTokens {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Count(usize),
+            Word(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Count(k) => Ok(Self::Fixed(k)),
+            Raw::Word(w) if w == "auto" => Ok(Self::Auto),
+            Raw::Word(w) => Err(serde::de::Error::custom(format!(
+                "draft_tokens = \"{w}\": a number of tokens or \"auto\""
+            ))),
+        }
+    }
 }
 
 /// How query-level routing picks a request's model.
@@ -545,6 +581,14 @@ impl Config {
                 ))
             }
             RoutingConfig::Ensemble { .. } => Ok(()),
+            RoutingConfig::Speculative {
+                draft_tokens: DraftTokens::Fixed(k),
+            } if *k == 0 || *k > MAX_DRAFT_TOKENS || *k >= self.scheduler.max_batch_tokens => {
+                Err(format!(
+                    "routing.draft_tokens = {k}: draft 1 to {MAX_DRAFT_TOKENS} tokens, fewer than scheduler.max_batch_tokens ({})",
+                    self.scheduler.max_batch_tokens
+                ))
+            }
             RoutingConfig::Bernoulli { p, .. } if !(0.0..=1.0).contains(p) => Err(format!(
                 "routing.p = {p}: the share of tokens sent to the LLM lies in [0, 1]"
             )),
@@ -554,7 +598,8 @@ impl Config {
             | RoutingConfig::Citer { .. }
             | RoutingConfig::CoLlm { .. }
             | RoutingConfig::QueryLevel { .. }
-            | RoutingConfig::Bernoulli { .. } => {
+            | RoutingConfig::Bernoulli { .. }
+            | RoutingConfig::Speculative { .. } => {
                 match (self.role_index(Role::Slm), self.role_index(Role::Llm)) {
                     (Some(s), Some(l)) if s != l => Ok(()),
                     _ => Err("this routing algorithm needs an SLM and an LLM: set role = \"slm\" and role = \"llm\" on two [[models]] entries (or list exactly two models)".into()),

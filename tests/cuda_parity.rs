@@ -48,13 +48,13 @@ fn run(
                     tokens: p,
                     start_pos: 0,
                     blocks: tables[s].ids(),
-                    logits: true,
+                    logits: 1,
                 },
                 _ => SeqInput {
                     tokens: std::slice::from_ref(&tokens[s][step - 1]),
                     start_pos: p.len() + step - 1,
                     blocks: tables[s].ids(),
-                    logits: true,
+                    logits: 1,
                 },
             })
             .collect();
@@ -204,7 +204,7 @@ fn a_cpu_cache_is_refused_by_a_gpu_model() {
         tokens: &[1, 2],
         start_pos: 0,
         blocks: table.ids(),
-        logits: true,
+        logits: 1,
     };
     let Err(err) = gpu.model.forward(&[input], &mut kv, false) else {
         panic!("a GPU model ran over a host-memory KV cache");

@@ -535,3 +535,70 @@ fn a_header_flood_is_refused_and_the_server_keeps_serving() {
         assert_eq!(r.status, 200, "{}", r.body);
     }
 }
+
+/// A server decoding speculatively reports each response's drafts and acceptance in its
+/// `routing` field and their totals in `/metrics`; a streamed answer carries only committed
+/// tokens, the same text as the whole one, and every block comes back.
+#[test]
+fn speculative_decoding_is_served_with_its_acceptance_reported() {
+    let dir = common::server::tiny_pair_config("");
+    let path = dir.path().join("config.toml");
+    let text = std::fs::read_to_string(&path).unwrap().replace(
+        "algorithm = \"r-stitch\"\nhigh = 5.2\nlow = 5.0",
+        "algorithm = \"speculative\"\ndraft_tokens = 3",
+    );
+    std::fs::write(&path, text).unwrap();
+    let config = path.to_str().unwrap().to_string();
+    let server = TestServer::launch(&["serve", "--config", &config], &[], dir, &[200]);
+    let r = server.post(
+        "/v1/chat/completions",
+        &chat("verify me", json!({"max_tokens": 12, "ignore_eos": true})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    let spec = &v["routing"]["speculative"];
+    let drafted = spec["drafted_tokens"].as_u64().unwrap();
+    let accepted = spec["accepted_tokens"].as_u64().unwrap();
+    let verifications = spec["verifications"].as_u64().unwrap();
+    assert!(
+        drafted > 0 && accepted <= drafted && verifications > 0,
+        "{spec}"
+    );
+    assert_eq!(
+        v["routing"]["tokens_per_model"]["slm"].as_u64().unwrap(),
+        accepted
+    );
+    assert_eq!(
+        spec["acceptance_rate"].as_f64().unwrap(),
+        accepted as f64 / drafted as f64
+    );
+    assert_eq!(
+        server.metric("tokenrouter_spec_drafted_tokens_total"),
+        drafted as f64
+    );
+    assert_eq!(
+        server.metric("tokenrouter_spec_accepted_tokens_total"),
+        accepted as f64
+    );
+
+    let body = chat(
+        "verify me",
+        json!({"max_tokens": 12, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let events = server.post("/v1/chat/completions", &body).events();
+    let streamed: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(
+        streamed,
+        v["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert_drained(&server);
+}

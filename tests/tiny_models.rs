@@ -222,7 +222,7 @@ fn hf_directory_and_gguf_of_the_same_weights_agree() {
 /// batch order; its K/V are still written, so its next chunk continues from them; and a batch
 /// where nobody asks returns no rows at all.
 #[test]
-fn only_sequences_that_ask_for_logits_get_a_row() {
+fn sequences_get_the_logits_rows_they_ask_for() {
     use candle_core::Tensor;
     use tokenrouter::model::{KvCache, SeqInput};
     use tokenrouter::scheduler::{BlockPool, Blocks};
@@ -243,43 +243,41 @@ fn only_sequences_that_ask_for_logits_get_a_row() {
     let long: Vec<u32> = (1..=20).collect();
     let short = [5u32, 6, 7];
     // The first 12 tokens of `long` with or without logits, then `short` and one more token.
-    let run = |chunk_logits: bool| {
+    let run = |chunk_logits: usize| {
         let mut kv = KvCache::with_capacity(model.config(), 16, 128, KvDtype::F32).unwrap();
         let pool = BlockPool::new(kv.num_blocks());
         let mut tables = [Blocks::default(), Blocks::default(), Blocks::default()];
         for (table, len) in tables.iter_mut().zip([long.len(), short.len(), 1]) {
             pool.grow(table, len.div_ceil(16)).unwrap();
         }
-        let batch: Vec<SeqInput> = [
-            (&long[..12], chunk_logits),
-            (&short[..], true),
-            (&[9], true),
-        ]
-        .into_iter()
-        .zip(&tables)
-        .map(|((tokens, logits), table)| SeqInput {
-            tokens,
-            start_pos: 0,
-            blocks: table.ids(),
-            logits,
-        })
-        .collect();
+        let batch: Vec<SeqInput> = [(&long[..12], chunk_logits), (&short[..], 1), (&[9], 1)]
+            .into_iter()
+            .zip(&tables)
+            .map(|((tokens, logits), table)| SeqInput {
+                tokens,
+                start_pos: 0,
+                blocks: table.ids(),
+                logits,
+            })
+            .collect();
         let out = model.forward(&batch, &mut kv, true).unwrap();
         (out, kv, tables)
     };
-    let (all, ..) = run(true);
-    let (some, mut kv, tables) = run(false);
+    let (all, ..) = run(1);
+    let (some, mut kv, tables) = run(0);
     assert_eq!(all.logits.dims(), &[3, spec.vocab_size()]);
     assert_eq!(some.logits.dims(), &[2, spec.vocab_size()]);
     assert_eq!(some.hidden.as_ref().unwrap().dims(), &[2, spec.hidden_size]);
     for (got, want) in rows(&some.logits).iter().zip(&rows(&all.logits)[1..]) {
         close(got, want);
     }
+    // The rest of `long` asks for the logits of all its 8 positions (as verifying drafts
+    // does): each row equals the one-pass computation's at that position.
     let rest = SeqInput {
         tokens: &long[12..],
         start_pos: 12,
         blocks: tables[0].ids(),
-        logits: true,
+        logits: 8,
     };
     let continued = model.forward(&[rest], &mut kv, false).unwrap();
     let whole = {
@@ -292,16 +290,30 @@ fn only_sequences_that_ask_for_logits_get_a_row() {
             tokens: &long,
             start_pos: 0,
             blocks: table.ids(),
-            logits: true,
+            logits: long.len(),
         };
         model.forward(&[input], &mut kv, false).unwrap()
     };
-    close(&rows(&continued.logits)[0], &rows(&whole.logits)[0]);
+    assert_eq!(continued.logits.dims(), &[8, spec.vocab_size()]);
+    assert_eq!(whole.logits.dims(), &[20, spec.vocab_size()]);
+    for (got, want) in rows(&continued.logits)
+        .iter()
+        .zip(&rows(&whole.logits)[12..])
+    {
+        close(got, want);
+    }
+    let too_many = SeqInput {
+        tokens: &[3],
+        start_pos: 20,
+        blocks: tables[0].ids(),
+        logits: 2,
+    };
+    assert!(model.forward(&[too_many], &mut kv, false).is_err());
     let silent = SeqInput {
         tokens: &[3],
         start_pos: 20,
         blocks: tables[0].ids(),
-        logits: false,
+        logits: 0,
     };
     // (Two blocks of 16 hold position 20 already.)
     let none = model.forward(&[silent], &mut kv, true).unwrap();

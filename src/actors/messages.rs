@@ -6,8 +6,8 @@ use std::sync::Arc;
 use actix::Message;
 
 use crate::model::runner::FinishReason;
-use crate::model::SamplingParams;
-use crate::routing::{Candidate, ModelIndex};
+use crate::model::{Distribution, SamplingParams};
+use crate::routing::{Candidate, ModelIndex, Speculation};
 use crate::scheduler::RequestId;
 
 /// Where a request's token events go (its request actor). `send` returns false once nobody
@@ -44,6 +44,13 @@ pub enum TokenEvent {
         from: ModelIndex,
         to: ModelIndex,
     },
+    /// `model` verified `drafted` drafted tokens and accepted the first `accepted` of them
+    /// (speculative decoding; the accepted ones come as `Token` events).
+    Verified {
+        model: ModelIndex,
+        drafted: usize,
+        accepted: usize,
+    },
     /// The model ended the request (end-of-sequence token, max tokens or context length).
     Finished {
         reason: FinishReason,
@@ -71,14 +78,23 @@ pub struct Abort {
 }
 
 /// A request moving to a peer with every committed token; the peer extends (or, on a first
-/// visit, prefills) what it does not hold yet.
+/// visit, prefills) what it does not hold yet, and takes back what it holds beyond them
+/// (drafts it made that were rejected).
 #[derive(Clone)]
 pub struct Handoff {
     pub meta: Arc<RequestMeta>,
+    /// Committed tokens, then the drafts.
     pub tokens: Vec<u32>,
     /// The best proposal for the next position so far, when the request is passed on
     /// without committing it (ensembles).
     pub carried: Option<Candidate>,
+    /// How many of the last `tokens` are drafts for the peer to verify (speculative
+    /// decoding).
+    pub drafts: usize,
+    /// The distributions the drafts were drawn from (sampling with temperature > 0 only).
+    pub dists: Vec<Distribution>,
+    /// The request's speculative decoding so far.
+    pub speculation: Speculation,
 }
 
 pub enum PeerBody {

@@ -15,7 +15,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::messages::{Abort, EventSink, RequestMeta, Submit, TokenEvent};
 use crate::model::runner::FinishReason;
 use crate::model::{ChatMessage, IncrementalDecoder, SamplingParams};
-use crate::routing::ModelIndex;
+use crate::routing::{ModelIndex, Speculation};
 use crate::scheduler::RequestId;
 
 #[derive(Debug, Clone)]
@@ -85,6 +85,8 @@ pub struct Summary {
     /// Output tokens committed by each model, by model index.
     pub tokens_per_model: Vec<usize>,
     pub handoffs: usize,
+    /// Speculative decoding: drafts verified, accepted, and the verifications.
+    pub speculation: Speculation,
     pub ttft: Option<Duration>,
     pub e2e: Duration,
 }
@@ -261,6 +263,9 @@ impl Handler<TokenEvent> for RequestActor {
                     self.end(RequestEvent::Finished(summary), ctx);
                 }
             }
+            TokenEvent::Verified {
+                drafted, accepted, ..
+            } => state.on_verified(drafted, accepted),
             TokenEvent::Moved { from, to } => {
                 state.on_moved();
                 self.emit(RequestEvent::Moved { from, to }, ctx);

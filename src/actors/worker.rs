@@ -16,12 +16,13 @@ use std::time::{Duration, Instant};
 use super::messages::{Handoff, PeerBody, PeerMessage, RequestMeta, TokenEvent};
 use crate::kernels::routing_features::{entropy_rows, max_prob_rows, top_logits_rows};
 use crate::model::runner::FinishReason;
-use crate::model::{KvCache, KvDtype, LoadedModel, Sampler, SeqInput};
+use crate::model::{Distribution, KvCache, KvDtype, LoadedModel, Sampler, SeqInput};
 use crate::routing::{
-    Arrival, BatchFeatures, Candidate, ModelIndex, Resume, Route, RoutingAlgorithm, StepView,
+    Arrival, BatchFeatures, Candidate, ModelIndex, Resume, Route, RoutingAlgorithm, Speculation,
+    StepView,
 };
 use crate::scheduler::{
-    DelayedBatching, LaunchPolicy, LockStep, Plan, PublishedPrefixes, ReadyQueue, RequestId,
+    DelayedBatching, Known, LaunchPolicy, LockStep, Plan, PublishedPrefixes, ReadyQueue, RequestId,
     Scheduler, SchedulerLimits, StepAsk,
 };
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, OperatingPoint};
@@ -86,11 +87,51 @@ pub struct WorkerStats {
 
 struct Local {
     meta: Arc<RequestMeta>,
+    /// Committed tokens, then `drafts` drafted ones.
     tokens: Vec<u32>,
     sampler: Sampler,
     tokens_here: usize,
     /// A peer's best proposal for the next position, until the next routing decision.
     carried: Option<Candidate>,
+    /// Trailing tokens that are drafts (speculative decoding): drafted here and away for
+    /// verification, or brought here to verify.
+    drafts: usize,
+    /// The model that drafted them.
+    drafter: ModelIndex,
+    /// The distributions they were drawn from (sampling with temperature > 0 only).
+    dists: Vec<Distribution>,
+    speculation: Speculation,
+}
+
+impl Local {
+    /// The tokens as the scheduler holds them: drafts brought here are verified, so the
+    /// step that reaches them returns the logits of every one and of the position after.
+    fn known(&self, here: ModelIndex) -> Known<'_> {
+        let verify = self.drafts > 0 && self.drafter != here;
+        Known {
+            tokens: &self.tokens,
+            drafts: self.drafts,
+            logits: if verify { self.drafts + 1 } else { 1 },
+        }
+    }
+
+    /// Output tokens committed so far.
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.drafts - self.meta.prompt_len
+    }
+}
+
+impl Local {
+    /// Takes what a handoff from `from` brings: the tokens, drafts and carried proposal.
+    fn arrive(&mut self, handoff: Handoff, from: ModelIndex) {
+        self.tokens = handoff.tokens;
+        self.tokens_here = 0;
+        self.carried = handoff.carried;
+        self.drafts = handoff.drafts;
+        self.drafter = from;
+        self.dists = handoff.dists;
+        self.speculation = handoff.speculation;
+    }
 }
 
 const TOMBSTONES: usize = 8192;
@@ -192,7 +233,15 @@ impl ModelWorker {
         if meta.home == self.index {
             self.count_active(1);
         }
-        self.admit(meta, prompt, now);
+        let handoff = Handoff {
+            meta,
+            tokens: prompt,
+            carried: None,
+            drafts: 0,
+            dists: Vec::new(),
+            speculation: Speculation::default(),
+        };
+        self.admit(handoff, self.index, now);
     }
 
     /// A request arriving from a peer: extend a pending one, or admit it on its first visit.
@@ -202,13 +251,19 @@ impl ModelWorker {
             return;
         }
         let Some(local) = self.requests.get_mut(&id) else {
-            self.admit(handoff.meta, handoff.tokens, now);
-            if let Some(local) = self.requests.get_mut(&id) {
-                local.carried = handoff.carried;
-            }
-            return;
+            return self.admit(handoff, from, now);
         };
-        debug_assert!(handoff.tokens.starts_with(&local.tokens));
+        // What this model holds beyond the common prefix (its drafts that were rejected) is
+        // taken back.
+        let common = local
+            .tokens
+            .iter()
+            .zip(&handoff.tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if common < local.tokens.len() {
+            self.sched.rollback(id, common);
+        }
         let cached = self.sched.computed(id);
         let arrival = Arrival {
             from,
@@ -217,14 +272,16 @@ impl ModelWorker {
             total: handoff.tokens.len(),
         };
         let recompute = self.router.receive(&arrival) == Resume::Recompute;
-        local.tokens = handoff.tokens;
-        local.tokens_here = 0;
-        local.carried = handoff.carried;
-        self.sched.resume(id, &local.tokens, recompute, now);
+        local.arrive(handoff, from);
+        self.sched
+            .resume(id, local.known(self.index), recompute, now);
     }
 
-    fn admit(&mut self, meta: Arc<RequestMeta>, tokens: Vec<u32>, now: Instant) {
-        let sampler = match Sampler::new(meta.params.clone()) {
+    /// Admits a request on its first visit here, from `from` (this model for a new one).
+    fn admit(&mut self, handoff: Handoff, from: ModelIndex, now: Instant) {
+        let meta = &handoff.meta;
+        let tokens = &handoff.tokens;
+        let sampler = match Sampler::on_stream(meta.params.clone(), self.index as u64) {
             Ok(s) => s,
             Err(e) => {
                 meta.sink.send(TokenEvent::Failed {
@@ -244,14 +301,19 @@ impl ModelWorker {
             });
             return self.end(meta.id);
         }
-        self.sched.add(meta.id, &tokens, now);
-        let local = Local {
-            meta,
-            tokens,
+        let mut local = Local {
+            meta: meta.clone(),
+            tokens: Vec::new(),
             sampler,
             tokens_here: 0,
             carried: None,
+            drafts: 0,
+            drafter: from,
+            dists: Vec::new(),
+            speculation: Speculation::default(),
         };
+        local.arrive(handoff, from);
+        self.sched.add(local.meta.id, local.known(self.index), now);
         self.requests.insert(local.meta.id, local);
     }
 

@@ -10,8 +10,9 @@ pub struct SeqInput<'a> {
     /// KV block ids of the sequence, in order (from the block allocator,
     /// `scheduler::BlockPool`); must already hold `start_pos + tokens.len()` positions.
     pub blocks: &'a [u32],
-    /// Whether the caller reads the logits (and hidden state) at the last new position: false
-    /// for a prefill chunk that does not end the sequence's known tokens, whose K/V are all
-    /// the step is for. `Model::forward_all_positions` ignores it.
-    pub logits: bool,
+    /// How many of the last new positions the caller reads the logits (and hidden states)
+    /// of, at most `tokens.len()`: 1 for a decode or the chunk that ends a prefill, 0 for a
+    /// prefill chunk whose K/V are all the step is for, `k + 1` to verify `k` drafted tokens.
+    /// `Model::forward_all_positions` ignores it.
+    pub logits: usize,
 }

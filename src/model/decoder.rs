@@ -322,7 +322,7 @@ impl<B: Backend> Decoder<B> {
         kv: &mut KvCache,
         want_hidden: bool,
     ) -> Result<ForwardOutput> {
-        let head = batch.iter().any(|s| s.logits);
+        let head = batch.iter().any(|s| s.logits > 0);
         let Some((x, last_rows)) = self.trunk(batch, kv, head)? else {
             return self.empty_output(want_hidden);
         };
@@ -332,8 +332,7 @@ impl<B: Backend> Decoder<B> {
         let rows: Vec<usize> = batch
             .iter()
             .zip(&last_rows)
-            .filter(|(s, _)| s.logits)
-            .map(|(_, &r)| r)
+            .flat_map(|(s, &last)| last + 1 - s.logits..=last)
             .collect();
         let last = self
             .backend
@@ -438,6 +437,13 @@ impl<B: Backend> Decoder<B> {
             if seq.tokens.is_empty() {
                 return Err(ModelError::InvalidBatch(format!(
                     "sequence {i} brings no tokens"
+                )));
+            }
+            if seq.logits > seq.tokens.len() {
+                return Err(ModelError::InvalidBatch(format!(
+                    "sequence {i} asks for the logits of {} positions but brings {} tokens",
+                    seq.logits,
+                    seq.tokens.len()
                 )));
             }
             let end = seq.start_pos + seq.tokens.len();

@@ -71,7 +71,7 @@ pub fn step(
             tokens: &s.tokens[s.computed..],
             start_pos: s.computed,
             blocks: s.blocks.ids(),
-            logits: true,
+            logits: 1,
         })
         .collect();
     let out = model.forward(&inputs, kv, want_hidden)?;
@@ -91,7 +91,7 @@ pub fn score_text(model: &Model, tokens: &[u32]) -> Result<ForwardOutput> {
         tokens,
         start_pos: 0,
         blocks: &blocks,
-        logits: true,
+        logits: 1,
     };
     model.forward_all_positions(&[input], &mut kv)
 }

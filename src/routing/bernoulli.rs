@@ -104,6 +104,7 @@ mod tests {
                     tokens_here: 1,
                     generated,
                     carried: None,
+                    ..Default::default()
                 };
                 let mut out = Vec::new();
                 algo.route(model, &BatchFeatures::default(), &[view], &mut out);
@@ -156,6 +157,7 @@ mod tests {
             tokens_here: 1,
             generated: 4,
             carried: None,
+            ..Default::default()
         };
         assert!(algo.send(0, 1, &view).keep_token);
         assert!(algo.send(1, 0, &view).keep_token);

@@ -84,6 +84,7 @@ mod tests {
             tokens_here: 0,
             generated: 0,
             carried,
+            ..Default::default()
         }
     }
 

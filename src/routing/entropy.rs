@@ -24,6 +24,7 @@ mod tests {
             tokens_here: 0,
             generated: 3,
             carried: None,
+            ..Default::default()
         }
     }
 

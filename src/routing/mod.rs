@@ -26,6 +26,7 @@ mod query_level;
 mod r2r;
 mod rstitch;
 mod single;
+mod speculative;
 #[cfg(feature = "train")]
 pub mod train;
 
@@ -41,8 +42,9 @@ pub use query_level::QueryLevel;
 pub use r2r::r2r;
 pub use rstitch::RStitch;
 pub use single::SingleModel;
+pub use speculative::Speculative;
 
-use crate::config::{Config, Role, RoutingConfig};
+use crate::config::{Config, DraftTokens, Role, RoutingConfig};
 
 /// A model's position in `[[models]]`.
 pub type ModelIndex = usize;
@@ -66,6 +68,9 @@ pub struct FeatureNeeds {
     pub top_logits: usize,
     /// The probability of the most likely next token (softmax of the raw logits).
     pub max_prob: bool,
+    /// Tokens drawn from the sampler's whole distribution, which is kept with each draft
+    /// (speculative sampling with temperature > 0 needs it to verify).
+    pub distribution: bool,
 }
 
 /// Features of one batch, row `i` for the batch's `i`-th routed request (row-major for the
@@ -91,8 +96,26 @@ pub struct Candidate {
     pub score: f32,
 }
 
+/// A request's speculative decoding so far: drafted tokens, and of those verified, how many
+/// were accepted and in how many verifications a draft was rejected.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Speculation {
+    pub drafted: u32,
+    pub accepted: u32,
+    pub rejections: u32,
+    pub verifications: u32,
+}
+
+impl Speculation {
+    /// The share of the drafts a verifier examined that it accepted (the drafts after a
+    /// rejected one are never examined), with a prior of three accepted in four.
+    pub fn acceptance(&self) -> f64 {
+        (self.accepted as f64 + 3.0) / ((self.accepted + self.rejections) as f64 + 4.0)
+    }
+}
+
 /// One request at routing time.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepView {
     /// The request's id, unique within a runtime.
     pub request: u64,
@@ -107,6 +130,10 @@ pub struct StepView {
     /// The best candidate for this position that the request brought along
     /// ([`Route::Pass`]), if any.
     pub carried: Option<Candidate>,
+    /// Drafted tokens the request holds here, not counting the one just sampled
+    /// ([`Route::Draft`]).
+    pub drafts: usize,
+    pub speculation: Speculation,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -121,6 +148,11 @@ pub enum Route {
     Pass { to: ModelIndex, best: Candidate },
     /// Commit `best` (whichever model proposed it) for this position, then go on at `next`.
     Decide { best: Candidate, next: ModelIndex },
+    /// Speculative decoding: keep the sampled token as a draft (not committed, not shown to
+    /// the client) and, with `send`, hand every draft to `verifier`, which checks them in
+    /// one forward pass, commits the accepted ones and one token of its own. The runtime
+    /// sends at once a draft that would end the request (a stop token, the length limit).
+    Draft { verifier: ModelIndex, send: bool },
 }
 
 /// What [`RoutingAlgorithm::send`] decides about the token just sampled.
@@ -181,12 +213,22 @@ pub enum RoutingError {
     Config(String),
 }
 
+/// What an algorithm may know of each loaded model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelFacts {
+    pub hidden_size: usize,
+    /// Weight bytes one decode step streams (its cost where decoding is memory-bound).
+    pub weight_bytes: usize,
+}
+
 /// Builds the algorithm `config.routing` names, resolving model roles and names to indices;
-/// `hidden_sizes` (per model) checks learned routers against the model they read.
+/// `models` (per model) checks learned routers against the model they read.
 pub fn build(
     config: &Config,
-    hidden_sizes: &[usize],
+    models: &[ModelFacts],
 ) -> Result<Arc<dyn RoutingAlgorithm>, RoutingError> {
+    let hidden_sizes: Vec<usize> = models.iter().map(|m| m.hidden_size).collect();
+    let hidden_sizes = hidden_sizes.as_slice();
     let pair = || match (config.role_index(Role::Slm), config.role_index(Role::Llm)) {
         (Some(slm), Some(llm)) if slm != llm => Ok(Pair { slm, llm }),
         _ => Err(RoutingError::Config(
@@ -231,6 +273,21 @@ pub fn build(
         }
         RoutingConfig::Ensemble { weights } => Arc::new(Ensemble::new(weights.clone())),
         RoutingConfig::Bernoulli { p, seed } => Arc::new(Bernoulli::new(pair()?, *p, *seed)),
+        RoutingConfig::Speculative { draft_tokens } => {
+            let pair = pair()?;
+            let draft = match *draft_tokens {
+                DraftTokens::Fixed(k) => speculative::DraftLength::Fixed(k),
+                DraftTokens::Auto => {
+                    let bytes = |m: ModelIndex| models.get(m).map_or(0, |f| f.weight_bytes);
+                    let cost = match (bytes(pair.slm), bytes(pair.llm)) {
+                        (s, l) if s > 0 && l > 0 => s as f64 / l as f64,
+                        _ => speculative::DEFAULT_DRAFT_COST,
+                    };
+                    speculative::DraftLength::Auto { cost }
+                }
+            };
+            Arc::new(Speculative::new(pair, draft))
+        }
     })
 }
 

@@ -96,6 +96,7 @@ mod tests {
             tokens_here: 0,
             generated: 0,
             carried: None,
+            ..Default::default()
         }
     }
 

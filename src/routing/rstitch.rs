@@ -84,6 +84,7 @@ mod tests {
             tokens_here: 4,
             generated: 9,
             carried: None,
+            ..Default::default()
         };
         let entropy = [0.1, 1.0, 3.0];
         let features = BatchFeatures {

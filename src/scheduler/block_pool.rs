@@ -297,16 +297,21 @@ impl Blocks {
     /// cached prefix before its head (a head without its tail is still useful; the reverse is
     /// not).
     pub fn clear(&mut self) {
-        if self.ids.is_empty() {
+        self.truncate(0);
+    }
+
+    /// Keeps the first `len` blocks and returns the others to the pool, last first.
+    pub fn truncate(&mut self, len: usize) {
+        if self.ids.len() <= len {
             return;
         }
         if let Some(pool) = &self.pool {
             let mut pool = pool.lock();
-            for &id in self.ids.iter().rev() {
+            for &id in self.ids[len..].iter().rev() {
                 pool.release(id);
             }
         }
-        self.ids.clear();
+        self.ids.truncate(len);
     }
 }
 

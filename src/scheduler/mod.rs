@@ -43,6 +43,40 @@ pub struct SchedulerLimits {
     pub max_batch_requests: usize,
 }
 
+/// A sequence's known tokens as a model holds them. The last `drafts` are proposed, not
+/// committed (speculative decoding): computed like the others, never indexed as a cached
+/// prefix, and taken back with [`Scheduler::rollback`] when rejected. `logits`: how many of
+/// the last positions the step that reaches the end returns logits for (1, or `drafts + 1` to
+/// verify the drafts); a chunk never ends inside them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Known<'a> {
+    pub tokens: &'a [u32],
+    pub drafts: usize,
+    pub logits: usize,
+}
+
+impl<'a> From<&'a [u32]> for Known<'a> {
+    fn from(tokens: &'a [u32]) -> Self {
+        Self {
+            tokens,
+            drafts: 0,
+            logits: 1,
+        }
+    }
+}
+
+impl<'a, const N: usize> From<&'a [u32; N]> for Known<'a> {
+    fn from(tokens: &'a [u32; N]) -> Self {
+        Self::from(tokens.as_slice())
+    }
+}
+
+impl<'a> From<&'a Vec<u32>> for Known<'a> {
+    fn from(tokens: &'a Vec<u32>) -> Self {
+        Self::from(tokens.as_slice())
+    }
+}
+
 /// One request's share of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanItem {
@@ -50,8 +84,9 @@ pub struct PlanItem {
     /// First position computed in this step.
     pub start: usize,
     pub num_tokens: usize,
-    /// The step computes the request's last known token, so its logits are sampled.
-    pub samples: bool,
+    /// How many of the last positions computed give logits to sample from: 0 unless the step
+    /// reaches the request's last known token (then the `logits` its [`Known`] asked for).
+    pub logits: usize,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -65,6 +100,8 @@ pub struct Plan {
 struct Entry {
     /// Tokens known here.
     len: usize,
+    /// Logits rows wanted when the last known token is computed.
+    logits: usize,
     /// Tokens whose K/V are in the cache.
     computed: usize,
     blocks: Blocks,
@@ -85,15 +122,32 @@ impl Entry {
         !self.away && self.computed < self.len
     }
 
-    /// Takes the sequence's tokens as they are now (they only ever grow).
-    fn set_tokens(&mut self, tokens: &[u32], block_size: usize) {
+    /// Takes the sequence's tokens as they are now (they only grow, but for drafts taken back
+    /// with [`Scheduler::rollback`] first).
+    fn set_tokens(&mut self, known: Known, block_size: usize) {
+        let tokens = known.tokens;
         self.len = tokens.len();
-        while self.hashes.len() < tokens.len() / block_size {
+        self.logits = known.logits.clamp(1, tokens.len().max(1));
+        let committed = tokens.len() - known.drafts.min(tokens.len());
+        while self.hashes.len() < committed / block_size {
             let i = self.hashes.len();
             let block = &tokens[i * block_size..(i + 1) * block_size];
             self.hashes
                 .push(chain_hash(self.hashes.last().copied(), block));
         }
+    }
+
+    /// How many tokens the next chunk computes with at most `limit`: all the rest, or a
+    /// chunk that ends before the positions whose logits are wanted (`None` when no such
+    /// chunk is left, as all of them must be computed in one step).
+    fn chunk(&self, limit: usize) -> Option<usize> {
+        let rest = self.len - self.computed;
+        if rest <= limit {
+            return (rest > 0).then_some(rest);
+        }
+        let before_logits = (self.len - self.logits).saturating_sub(self.computed);
+        let n = limit.min(before_logits);
+        (n > 0).then_some(n)
     }
 }
 
@@ -149,11 +203,12 @@ impl Scheduler {
     }
 
     /// A request seen here for the first time, with its known tokens, none computed.
-    pub fn add(&mut self, id: RequestId, tokens: &[u32], now: Instant) {
+    pub fn add<'a>(&mut self, id: RequestId, tokens: impl Into<Known<'a>>, now: Instant) {
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         let mut entry = Entry {
             len: 0,
+            logits: 1,
             computed: 0,
             blocks: Blocks::default(),
             hashes: Vec::new(),
@@ -162,25 +217,52 @@ impl Scheduler {
             visit_since: now,
             arrival,
         };
-        entry.set_tokens(tokens, self.limits.block_size);
+        entry.set_tokens(tokens.into(), self.limits.block_size);
         // A request added again starts over: its old blocks go back to the pool.
         self.entries.insert(id, entry);
     }
 
     /// A pending request comes back with its tokens now; with `recompute` its cached prefix
     /// is dropped and computed again.
-    pub fn resume(&mut self, id: RequestId, tokens: &[u32], recompute: bool, now: Instant) {
+    pub fn resume<'a>(
+        &mut self,
+        id: RequestId,
+        tokens: impl Into<Known<'a>>,
+        recompute: bool,
+        now: Instant,
+    ) {
+        let known = tokens.into();
         let Some(e) = self.entries.get_mut(&id) else {
-            return self.add(id, tokens, now);
+            return self.add(id, known, now);
         };
-        if recompute || tokens.len() < e.computed {
+        if recompute || known.tokens.len() < e.computed {
             e.computed = 0;
             e.registered = 0;
             e.blocks.clear();
         }
-        e.set_tokens(tokens, self.limits.block_size);
+        e.set_tokens(known, self.limits.block_size);
         e.away = false;
         e.visit_since = now;
+    }
+
+    /// Takes back every known token of `id` from position `keep` on (rejected drafts): their
+    /// K/V are dropped and the blocks past the kept positions return to the pool. A kept
+    /// block that the prefix index holds is never written again: it goes back whole and its
+    /// kept part is computed again.
+    pub fn rollback(&mut self, id: RequestId, keep: usize) {
+        let bs = self.limits.block_size;
+        let Some(e) = self.entries.get_mut(&id) else {
+            return;
+        };
+        e.len = e.len.min(keep);
+        let mut computed = e.computed.min(keep);
+        if computed % bs != 0 && computed / bs < e.registered {
+            computed -= computed % bs;
+        }
+        e.computed = computed;
+        e.registered = e.registered.min(computed / bs);
+        e.hashes.truncate(e.len / bs);
+        e.blocks.truncate(computed.div_ceil(bs));
     }
 
     /// The KV block ids holding `id`'s positions, in order.
@@ -214,11 +296,16 @@ impl Scheduler {
             if !e.ready() {
                 continue;
             }
-            let want = (e.len - e.computed).min(budget);
-            let Some(n) = self.fit(id, want, &mut plan) else {
+            let Some(want) = e.chunk(budget) else {
+                continue;
+            };
+            let Some(fits) = self.fit(id, want, &mut plan) else {
                 continue;
             };
             let e = self.entries.get_mut(&id).expect("candidate exists");
+            let Some(n) = e.chunk(fits) else {
+                continue;
+            };
             let needed = (e.computed + n).div_ceil(self.limits.block_size);
             self.pool
                 .grow(&mut e.blocks, needed)
@@ -228,20 +315,20 @@ impl Scheduler {
                 id,
                 start: e.computed,
                 num_tokens: n,
-                samples: e.computed + n == e.len,
+                logits: if e.computed + n == e.len { e.logits } else { 0 },
             });
         }
         plan
     }
 
     /// A request starting from nothing takes the longest cached prefix of its tokens, leaving
-    /// at least one token to compute (whose logits it needs).
+    /// the tokens whose logits it needs to compute.
     fn reuse_cached_prefix(&mut self, id: RequestId) {
         let e = self.entries.get_mut(&id).expect("candidate exists");
         if e.computed > 0 || !e.blocks.is_empty() || e.len == 0 {
             return;
         }
-        let usable = ((e.len - 1) / self.limits.block_size).min(e.hashes.len());
+        let usable = ((e.len - e.logits) / self.limits.block_size).min(e.hashes.len());
         e.blocks = self.pool.lookup(&e.hashes[..usable]);
         e.registered = e.blocks.len();
         e.computed = e.blocks.len() * self.limits.block_size;
@@ -311,17 +398,17 @@ impl Scheduler {
 
     /// `id` committed its sampled token here (`tokens` includes it) and stays: ready for the
     /// next decode, in the same visit.
-    pub fn commit(&mut self, id: RequestId, tokens: &[u32]) {
+    pub fn commit<'a>(&mut self, id: RequestId, tokens: impl Into<Known<'a>>) {
         if let Some(e) = self.entries.get_mut(&id) {
-            e.set_tokens(tokens, self.limits.block_size);
+            e.set_tokens(tokens.into(), self.limits.block_size);
         }
     }
 
     /// `id` moves to a peer and stays pending here with its blocks; `tokens` includes the
     /// sampled token if it was committed here first.
-    pub fn leave(&mut self, id: RequestId, tokens: &[u32]) {
+    pub fn leave<'a>(&mut self, id: RequestId, tokens: impl Into<Known<'a>>) {
         if let Some(e) = self.entries.get_mut(&id) {
-            e.set_tokens(tokens, self.limits.block_size);
+            e.set_tokens(tokens.into(), self.limits.block_size);
             e.away = true;
         }
     }

@@ -41,7 +41,7 @@ impl Sim {
     fn run(&mut self) -> Plan {
         let plan = self.s.schedule();
         self.s.advance(&plan);
-        for item in plan.items.iter().filter(|i| i.samples) {
+        for item in plan.items.iter().filter(|i| i.logits > 0) {
             self.push(item.id);
             self.s.commit(item.id, &self.tokens[&item.id]);
         }
@@ -74,7 +74,7 @@ fn item(id: RequestId, start: usize, num_tokens: usize, samples: bool) -> PlanIt
         id,
         start,
         num_tokens,
-        samples,
+        logits: samples as usize,
     }
 }
 
@@ -242,4 +242,77 @@ fn a_request_that_stays_keeps_the_start_of_its_visit() {
     s.leave(1, &[1, 2, 3, 4]);
     s.resume(1, &[1, 2, 3, 4, 5], false, later);
     assert_eq!(s.ready(), (1, Some(later)), "the return from a peer does");
+}
+
+fn drafted(tokens: &[u32], drafts: usize) -> Known<'_> {
+    Known {
+        tokens,
+        drafts,
+        logits: drafts + 1,
+    }
+}
+
+#[test]
+fn drafts_to_verify_are_computed_in_one_chunk_with_their_logits() {
+    let mut s = Scheduler::new(limits(16));
+    let tokens: Vec<u32> = (0..20).collect();
+    // 20 tokens, the last 5 drafts: with a 16-token budget the first chunk stops before the
+    // 6 positions whose logits are wanted, the second computes them all.
+    s.add(1, drafted(&tokens, 5), Instant::now());
+    let plan = s.schedule();
+    assert_eq!(plan.items, [item(1, 0, 14, false)]);
+    s.advance(&plan);
+    let plan = s.schedule();
+    assert_eq!(
+        plan.items,
+        [PlanItem {
+            id: 1,
+            start: 14,
+            num_tokens: 6,
+            logits: 6,
+        }]
+    );
+}
+
+#[test]
+fn rollback_drops_rejected_drafts_and_their_blocks_and_never_caches_drafts() {
+    let mut s = Scheduler::new(limits(16));
+    let tokens: Vec<u32> = (0..10).collect();
+    // 10 tokens of which the last 6 are drafts: only the first block holds committed tokens.
+    s.add(1, drafted(&tokens, 6), Instant::now());
+    let plan = s.schedule();
+    s.advance(&plan);
+    assert_eq!(s.computed(1), 10);
+    assert_eq!(s.blocks(1).len(), 3);
+    assert_eq!(s.stats().free_blocks, 13);
+    // Two drafts accepted: positions 0..6 stay, the rest goes, and the third block with it.
+    s.rollback(1, 6);
+    assert_eq!(s.computed(1), 6);
+    assert_eq!(s.blocks(1).len(), 2);
+    assert_eq!(s.stats().free_blocks, 14);
+    // The next token (the verifier's own) is committed; only it is computed next.
+    let mut kept = tokens[..6].to_vec();
+    kept.push(77);
+    s.commit(1, &kept);
+    assert_eq!(s.schedule().items, [item(1, 6, 1, true)]);
+    // A second request with the drafted tokens as its prompt finds only the committed block
+    // cached: the second block held drafts when it filled.
+    s.add(2, &tokens, Instant::now());
+    s.schedule();
+    assert_eq!(s.stats().prefix_hit_tokens, 4);
+}
+
+#[test]
+fn rollback_into_a_cached_block_gives_it_back_whole() {
+    let mut sim = Sim::new(limits(16));
+    sim.add(1, 9);
+    sim.run();
+    // Blocks 0 and 1 are full and indexed; taking back to position 6 cannot write into
+    // block 1 again, so it goes back and positions 4..6 are computed again.
+    sim.s.rollback(1, 6);
+    assert_eq!(sim.s.computed(1), 4);
+    assert_eq!(sim.s.blocks(1).len(), 1);
+    sim.tokens.get_mut(&1).unwrap().truncate(6);
+    sim.s.commit(1, &sim.tokens[&1]);
+    assert_eq!(sim.s.schedule().items, [item(1, 4, 2, true)]);
 }

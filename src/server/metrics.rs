@@ -19,6 +19,9 @@ pub struct Metrics {
     e2e: Histogram,
     tokens: IntCounterVec,
     handoffs: IntCounter,
+    drafted: IntCounter,
+    accepted: IntCounter,
+    verifications: IntCounter,
     pub active: IntGauge,
     model_state: IntGaugeVec,
     model_totals: IntGaugeVec,
@@ -48,6 +51,18 @@ impl Metrics {
                 &["model"],
             )?,
             handoffs: IntCounter::new("handoffs_total", "Requests moved between models")?,
+            drafted: IntCounter::new(
+                "spec_drafted_tokens_total",
+                "Speculative decoding: drafted tokens verified",
+            )?,
+            accepted: IntCounter::new(
+                "spec_accepted_tokens_total",
+                "Speculative decoding: drafted tokens accepted",
+            )?,
+            verifications: IntCounter::new(
+                "spec_verifications_total",
+                "Speculative decoding: verification passes",
+            )?,
             active: IntGauge::new("active_requests", "Requests admitted and not ended")?,
             model_state: IntGaugeVec::new(
                 Opts::new("model_state", "Per-model runtime state (kv_blocks_free, kv_blocks_used, kv_blocks_cached, requests_ready, requests_pending, batch_threshold, active_estimate)"),
@@ -70,6 +85,9 @@ impl Metrics {
         m.registry.register(Box::new(m.e2e.clone()))?;
         m.registry.register(Box::new(m.tokens.clone()))?;
         m.registry.register(Box::new(m.handoffs.clone()))?;
+        m.registry.register(Box::new(m.drafted.clone()))?;
+        m.registry.register(Box::new(m.accepted.clone()))?;
+        m.registry.register(Box::new(m.verifications.clone()))?;
         m.registry.register(Box::new(m.active.clone()))?;
         m.registry.register(Box::new(m.model_state.clone()))?;
         m.registry.register(Box::new(m.model_totals.clone()))?;
@@ -94,6 +112,10 @@ impl Metrics {
                     self.tokens.with_label_values(&[name]).inc_by(n as u64);
                 }
                 self.handoffs.inc_by(s.handoffs as u64);
+                self.drafted.inc_by(s.speculation.drafted.into());
+                self.accepted.inc_by(s.speculation.accepted.into());
+                self.verifications
+                    .inc_by(s.speculation.verifications.into());
             }
             RequestEvent::Failed(_) => self.requests.with_label_values(&["failed"]).inc(),
             RequestEvent::Cancelled => self.observe_cancelled(),

@@ -16,6 +16,7 @@ use super::AppState;
 use crate::actors::{RequestEvent, Summary};
 use crate::config::Role;
 use crate::model::runner::FinishReason;
+use crate::routing::Speculation;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
@@ -66,15 +67,21 @@ impl Responder {
         }
     }
 
-    /// Tokens per model, the LLM's share of them, and handoffs, summed over `summaries`.
+    /// Tokens per model, the LLM's share of them, and handoffs, summed over `summaries`;
+    /// with speculative decoding, the drafts, the share accepted and the mean accepted per
+    /// verification too.
     fn routing<'a>(&self, summaries: impl Iterator<Item = &'a Summary>) -> Value {
         let mut per_model = vec![0usize; self.names.len()];
         let mut handoffs = 0;
+        let mut spec = Speculation::default();
         for s in summaries {
             for (t, n) in per_model.iter_mut().zip(&s.tokens_per_model) {
                 *t += n;
             }
             handoffs += s.handoffs;
+            spec.drafted += s.speculation.drafted;
+            spec.accepted += s.speculation.accepted;
+            spec.verifications += s.speculation.verifications;
         }
         let total: usize = per_model.iter().sum();
         let by_name: BTreeMap<&str, usize> = self
@@ -84,7 +91,18 @@ impl Responder {
             .zip(per_model.iter().copied())
             .collect();
         let share = self.llm.map(|l| per_model[l] as f64 / total.max(1) as f64);
-        json!({ "tokens_per_model": by_name, "llm_token_share": share, "handoffs": handoffs })
+        let mut routing =
+            json!({ "tokens_per_model": by_name, "llm_token_share": share, "handoffs": handoffs });
+        if spec.verifications > 0 {
+            routing["speculative"] = json!({
+                "drafted_tokens": spec.drafted,
+                "accepted_tokens": spec.accepted,
+                "verifications": spec.verifications,
+                "acceptance_rate": spec.accepted as f64 / spec.drafted.max(1) as f64,
+                "mean_accepted_length": spec.accepted as f64 / spec.verifications as f64,
+            });
+        }
+        routing
     }
 
     fn usage(&self, results: &[ChoiceResult]) -> Value {

@@ -29,6 +29,21 @@ pub fn tiny_pair() -> Pair {
     Pair { dir, models }
 }
 
+/// A drafter and its verifier: the tiny LLM twice, the SLM's copy in Q4_0 and the LLM's in
+/// Q8_0, so that their greedy tokens mostly agree (as a real draft model's do) and
+/// sometimes not.
+pub fn draft_pair() -> Pair {
+    let dir = tempfile::tempdir().unwrap();
+    let [_, (_, spec)] = super::server::tiny_pair_specs();
+    let mut models = Vec::new();
+    for (name, format) in [("slm", GgmlDType::Q4_0), ("llm", GgmlDType::Q8_0)] {
+        let path = dir.path().join(format!("{name}.gguf"));
+        write_gguf(&spec, &path, &[format]).unwrap();
+        models.push(Arc::new(LoadedModel::load(&path, &Device::Cpu).unwrap()));
+    }
+    Pair { dir, models }
+}
+
 pub fn config(dir: &Path, rest: &str) -> Config {
     config_on(dir, ["cpu", "cpu"], rest)
 }

@@ -14,6 +14,7 @@ pub struct RequestState {
     tokens_per_model: Vec<usize>,
     completion_tokens: usize,
     handoffs: usize,
+    speculation: Speculation,
     started: Instant,
     first_token: Option<Instant>,
 }
@@ -36,6 +37,7 @@ impl RequestState {
             prompt_tokens: meta.prompt_len,
             completion_tokens: 0,
             handoffs: 0,
+            speculation: Speculation::default(),
             started: now,
             first_token: None,
         }
@@ -43,6 +45,15 @@ impl RequestState {
 
     pub fn on_moved(&mut self) {
         self.handoffs += 1;
+    }
+
+    /// A verifier examined `drafted` drafts and accepted the first `accepted`.
+    pub fn on_verified(&mut self, drafted: usize, accepted: usize) {
+        let s = &mut self.speculation;
+        s.drafted += drafted as u32;
+        s.accepted += accepted as u32;
+        s.rejections += u32::from(accepted < drafted);
+        s.verifications += 1;
     }
 
     /// Takes one committed token: the text it makes final, and the summary when it ends the
@@ -118,6 +129,7 @@ impl RequestState {
             stop: None,
             tokens_per_model: self.tokens_per_model.clone(),
             handoffs: self.handoffs,
+            speculation: self.speculation,
             ttft: self.first_token.map(|t| t - self.started),
             e2e: now - self.started,
         }

@@ -10,6 +10,7 @@ use crate::kernels::parallel::{
 };
 use crate::model::profile::{step_latencies, warm_up};
 use crate::model::{ComputeTarget, MatmulBackend};
+use crate::routing::ModelFacts;
 use crate::scheduler::{Admission, DeviceQueue};
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, MAX_TUNED_CONCURRENCY};
 
@@ -79,11 +80,14 @@ impl Runtime {
     /// Starts one model actor per entry of `models` (in `config.models` order), routing with
     /// the algorithm `config.routing` names.
     pub fn start(config: &Config, models: Vec<Arc<LoadedModel>>) -> Result<Self, RuntimeError> {
-        let hidden: Vec<usize> = models
+        let facts: Vec<ModelFacts> = models
             .iter()
-            .map(|m| m.model.config().hidden_size)
+            .map(|m| ModelFacts {
+                hidden_size: m.model.config().hidden_size,
+                weight_bytes: m.model.streamed_weight_bytes(),
+            })
             .collect();
-        let router = crate::routing::build(config, &hidden)?;
+        let router = crate::routing::build(config, &facts)?;
         Self::start_with_router(config, models, router)
     }
 

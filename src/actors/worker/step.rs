@@ -35,6 +35,25 @@ struct Sampled {
     id: RequestId,
     row: usize,
     token: u32,
+    /// The distribution it was drawn from, when the router keeps it.
+    dist: Option<Distribution>,
+}
+
+/// Draws the next token from `row` for a request whose committed output is `output`: from
+/// the whole distribution, kept, when `keep` and sampling at temperature > 0.
+fn draw(
+    sampler: &mut Sampler,
+    row: &[f32],
+    prompt: &[u32],
+    output: &[u32],
+    keep: bool,
+) -> (u32, Option<Distribution>) {
+    if keep && sampler.params().temperature > 0.0 {
+        let dist = sampler.distribution(row, prompt, output);
+        (sampler.draw(&dist), Some(dist))
+    } else {
+        (sampler.sample(row, prompt, output), None)
+    }
 }
 
 impl ModelWorker {
@@ -75,7 +94,7 @@ impl ModelWorker {
                     tokens: &local.tokens[item.start..item.start + item.num_tokens],
                     start_pos: item.start,
                     blocks: self.sched.blocks(item.id),
-                    logits: item.samples,
+                    logits: item.logits,
                 }
             })
             .collect();
@@ -116,16 +135,26 @@ impl ModelWorker {
     fn after_forward(&mut self, plan: &Plan, logits: &[f32], hidden: &[f32]) {
         self.sched.advance(plan);
         let vocab = self.model.model.config().vocab_size;
+        let keep = self.router.needs().distribution;
         let mut sampled = Vec::new();
-        for (row, item) in plan.items.iter().filter(|item| item.samples).enumerate() {
+        let mut first = 0;
+        for item in plan.items.iter().filter(|item| item.logits > 0) {
+            let rows = first..first + item.logits;
+            first = rows.end;
             let local = self.requests.get_mut(&item.id).expect("planned request");
+            if local.drafts > 0 && local.drafter != self.index {
+                sampled.extend(self.verify(item.id, rows.start, logits));
+                continue;
+            }
+            let row = rows.end - 1;
             let (prompt, output) = local.tokens.split_at(local.meta.prompt_len);
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
-            let token = local.sampler.sample(row_logits, prompt, output);
+            let (token, dist) = draw(&mut local.sampler, row_logits, prompt, output, keep);
             sampled.push(Sampled {
                 id: item.id,
                 row,
                 token,
+                dist,
             });
         }
         let buffers = self.batch_features(logits, hidden, &sampled);
@@ -138,8 +167,10 @@ impl ModelWorker {
                     model: self.index,
                     token: s.token,
                     tokens_here: local.tokens_here,
-                    generated: local.tokens.len() - local.meta.prompt_len,
+                    generated: local.generated(),
                     carried: local.carried,
+                    drafts: local.drafts,
+                    speculation: local.speculation,
                 }
             })
             .collect();
@@ -159,14 +190,84 @@ impl ModelWorker {
                 .filter(|r| match **r {
                     Route::Move(to) | Route::Pass { to, .. } => to != here,
                     Route::Decide { next, .. } => next != here,
+                    Route::Draft { verifier, send } => send && verifier != here,
                     Route::Stay => false,
                 })
                 .count();
             online.observe(routes.len(), moves);
         }
-        for ((s, view), route) in sampled.iter().zip(&views).zip(routes) {
-            self.apply_route(s.id, view, route);
+        for ((s, view), route) in sampled.into_iter().zip(&views).zip(routes) {
+            self.apply_route(s.id, view, route, s.dist);
         }
+    }
+
+    /// Verifies the drafts `id` brought (speculative decoding) against this model's logits
+    /// rows `first..=first + drafts`: commits the longest prefix this model's sampling
+    /// accepts, takes the rest back from the KV cache, and returns the token of its own that
+    /// follows (drawn in place of the first rejected draft, or after the last accepted one)
+    /// with its row; `None` when the request ended on an accepted draft.
+    fn verify(&mut self, id: RequestId, first: usize, logits: &[f32]) -> Option<Sampled> {
+        let vocab = self.model.model.config().vocab_size;
+        let keep = self.router.needs().distribution;
+        let local = self.requests.get_mut(&id)?;
+        let k = local.drafts;
+        let committed = local.tokens.len() - k;
+        let drafts = local.tokens.split_off(committed);
+        let dists = std::mem::take(&mut local.dists);
+        local.drafts = 0;
+        // Drafts drawn at temperature > 0 come with their distribution; greedy ones are
+        // accepted when they are this model's greedy token.
+        let sampling = local.sampler.params().temperature > 0.0 && dists.len() == k;
+        let mut accepted = 0;
+        let (token, dist) = loop {
+            let row = &logits[(first + accepted) * vocab..(first + accepted + 1) * vocab];
+            let (prompt, output) = local.tokens.split_at(local.meta.prompt_len);
+            let Some(&draft) = drafts.get(accepted) else {
+                break draw(&mut local.sampler, row, prompt, output, keep);
+            };
+            let replaced = if sampling {
+                let p = local.sampler.distribution(row, prompt, output);
+                local.sampler.verify(&p, &dists[accepted], draft)
+            } else {
+                let own = local.sampler.sample(row, prompt, output);
+                (own != draft).then_some(own)
+            };
+            match replaced {
+                Some(own) => break (own, None),
+                None => {
+                    local.tokens.push(draft);
+                    accepted += 1;
+                }
+            }
+        };
+        local.tokens.truncate(committed);
+        let s = &mut local.speculation;
+        s.drafted += k as u32;
+        s.accepted += accepted as u32;
+        s.rejections += u32::from(accepted < k);
+        s.verifications += 1;
+        let (sink, drafter) = (local.meta.sink.clone(), local.drafter);
+        self.sched.rollback(id, committed + accepted);
+        let event = TokenEvent::Verified {
+            model: self.index,
+            drafted: k,
+            accepted,
+        };
+        if !sink.send(event) {
+            self.end(id);
+            return None;
+        }
+        for &draft in &drafts[..accepted] {
+            if !self.commit(id, draft, drafter) {
+                return None;
+            }
+        }
+        Some(Sampled {
+            id,
+            row: first + accepted,
+            token,
+            dist,
+        })
     }
 
     /// The routing features the router asked for, for the sampled rows only, each computed
@@ -206,7 +307,13 @@ impl ModelWorker {
         f
     }
 
-    fn apply_route(&mut self, id: RequestId, view: &StepView, route: Route) {
+    fn apply_route(
+        &mut self,
+        id: RequestId,
+        view: &StepView,
+        route: Route,
+        dist: Option<Distribution>,
+    ) {
         let peer = |to: ModelIndex| to != self.index && to < self.unsent.len();
         // Where the request goes, what it commits first (token, producing model) and what it
         // carries along.
@@ -220,6 +327,9 @@ impl ModelWorker {
                 (next, Some((best.token, best.model)), None)
             }
             Route::Decide { best, .. } => return self.commit_here(id, best.token, best.model),
+            Route::Draft { verifier, send } if peer(verifier) => {
+                return self.draft(id, view.token, dist, verifier, send)
+            }
             _ => return self.commit_here(id, view.token, self.index),
         };
         if let Some((token, model)) = commit {
@@ -227,12 +337,21 @@ impl ModelWorker {
                 return;
             }
         }
-        let local = &self.requests[&id];
-        self.sched.leave(id, &local.tokens);
+        self.hand_off(id, to, carried);
+    }
+
+    /// Moves `id` to the peer `to` with its tokens (and drafts), carrying `carried`; it
+    /// stays pending here with its blocks.
+    fn hand_off(&mut self, id: RequestId, to: ModelIndex, carried: Option<Candidate>) {
+        let local = self.requests.get_mut(&id).expect("routed request");
+        self.sched.leave(id, local.known(self.index));
         let handoff = Handoff {
             meta: local.meta.clone(),
             tokens: local.tokens.clone(),
             carried,
+            drafts: local.drafts,
+            dists: std::mem::take(&mut local.dists),
+            speculation: local.speculation,
         };
         if !local.meta.sink.send(TokenEvent::Moved {
             from: self.index,
@@ -243,6 +362,33 @@ impl ModelWorker {
         self.stats.handoffs_out += 1;
         self.handed[to] += 1;
         self.send(to, PeerBody::Handoff(handoff));
+    }
+
+    /// Keeps `token` as a draft of `id`: not committed, not shown to the client. The drafts
+    /// go to `verifier` when `send`, or when this one could end the request (a stop token,
+    /// `max_tokens` or the length limit reached), since a verifier commits nothing past it.
+    fn draft(
+        &mut self,
+        id: RequestId,
+        token: u32,
+        dist: Option<Distribution>,
+        verifier: ModelIndex,
+        send: bool,
+    ) {
+        let local = self.requests.get_mut(&id).expect("routed request");
+        local.tokens.push(token);
+        local.drafts += 1;
+        local.drafter = self.index;
+        local.dists.extend(dist);
+        let meta = &local.meta;
+        let ends = meta.stop_ids.contains(&token)
+            || local.tokens.len() - meta.prompt_len >= meta.max_tokens
+            || local.tokens.len() + 1 >= self.max_len;
+        if send || ends {
+            self.hand_off(id, verifier, None);
+        } else {
+            self.sched.commit(id, local.known(self.index));
+        }
     }
 
     /// Commits `token` (produced by `model`) and keeps the request here.
