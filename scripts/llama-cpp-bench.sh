@@ -13,6 +13,15 @@
 # Printed: llama-bench's prompt (pp64) and batch-1 decode (tg32) rates, three repetitions,
 # then llama-batched-bench's decode rate S_TG summed over 1, 4, 8 and 16 sequences (64-token
 # prompts, 32 new tokens each): bench-model's `--batch 1,4,8,16 --decode-steps 32`.
+#
+#   DRAFT=DRAFT.gguf PROMPTS=N scripts/llama-cpp-bench.sh TARGET.gguf
+#
+# runs llama.cpp's speculative decoding instead (`llama-speculative-simple`, greedy, the draft
+# model drafting DRAFT_MAX tokens, default 5) on the first N HumanEval prompts of
+# datasets/HumanEval.jsonl, each asked as `tokenrouter bench --workload human-eval` asks it,
+# in the Qwen chat format, MAX_TOKENS (default 64) new tokens,
+# and prints per prompt its decode rate, drafted and accepted tokens, then their totals and
+# the target's own batch-1 decode rate (llama-bench).
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -28,7 +37,8 @@ for tool in python3 tar sha256sum c++ make; do
   command -v "$tool" >/dev/null || die "$tool is required"
 done
 
-if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-batched-bench" ]; then
+if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-batched-bench" ] \
+  || [ ! -x "$bin/llama-speculative-simple" ]; then
   mkdir -p "$work"
   tarball="$work/llama_cpp_python-$version.tar.gz"
   if ! [ -f "$tarball" ] || [ "$(sha256sum "$tarball" | cut -d' ' -f1)" != "$sha" ]; then
@@ -50,7 +60,7 @@ if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-batched-bench" ]; then
   fi
   flags=$(grep -m1 '^flags' /proc/cpuinfo)
   has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
-  echo "llama-cpp-bench: building llama-bench and llama-batched-bench (a few minutes)"
+  echo "llama-cpp-bench: building llama-bench, llama-batched-bench and llama-speculative-simple (a few minutes)"
   cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
     -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" \
     -DGGML_F16C="$(has f16c)" -DGGML_BMI2="$(has bmi2)" -DGGML_AVX512="$(has avx512f)" \
@@ -59,8 +69,48 @@ if [ ! -x "$bin/llama-bench" ] || [ ! -x "$bin/llama-batched-bench" ]; then
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF >"$work/cmake.log" 2>&1 \
     || die "cmake configure failed, see $work/cmake.log"
-  cmake --build "$src/build" -j"$(nproc)" --target llama-bench llama-batched-bench \
+  cmake --build "$src/build" -j"$(nproc)" \
+    --target llama-bench llama-batched-bench llama-speculative-simple \
     >"$work/build.log" 2>&1 || die "build failed, see $work/build.log"
+fi
+
+if [ -n "${DRAFT:-}" ]; then
+  [ $# -eq 1 ] || die "with DRAFT, name one target model"
+  dataset="$root/datasets/HumanEval.jsonl"
+  [ -f "$dataset" ] || die "$dataset is missing (run scripts/fetch-datasets.sh)"
+  echo "== speculative: target $(basename "$1"), draft $(basename "$DRAFT"), $threads threads"
+  echo "| prompt | decode tok/s | drafted | accepted |"
+  echo "|---|---|---|---|"
+  prompt_file="$work/prompt.txt"
+  total_tokens=0; total_seconds=0; total_drafted=0; total_accepted=0
+  for i in $(seq 0 $((${PROMPTS:-3} - 1))); do
+    python3 - "$dataset" "$i" >"$prompt_file" <<'PY'
+import json, sys
+line = open(sys.argv[1]).read().splitlines()[int(sys.argv[2])]
+prompt = json.loads(line)["prompt"]
+user = ("Complete the following Python function. Reply with code only.\n\n```python\n"
+        + prompt + "```")
+sys.stdout.write("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+                 "assistant.<|im_end|>\n<|im_start|>user\n" + user + "<|im_end|>\n"
+                 "<|im_start|>assistant\n")
+PY
+    log="$work/speculative-$i.log"
+    "$bin/llama-speculative-simple" -m "$1" -md "$DRAFT" -f "$prompt_file" -t "$threads" \
+      -td "$threads" -n "${MAX_TOKENS:-64}" --draft-max "${DRAFT_MAX:-5}" --draft-min 0 \
+      --temp 0 -c 4096 --ignore-eos >"$log" 2>&1 || die "llama-speculative-simple failed, see $log"
+    read -r tokens seconds < <(sed -nE 's/.*decoded +([0-9]+) tokens in +([0-9.]+) seconds.*/\1 \2/p' "$log" | tail -1)
+    drafted=$(sed -nE 's/.*n_drafted *= *([0-9]+).*/\1/p' "$log" | tail -1)
+    accepted=$(sed -nE 's/.*n_accept *= *([0-9]+).*/\1/p' "$log" | tail -1)
+    [ -n "$tokens" ] && [ -n "$drafted" ] || die "no result in $log"
+    echo "| $i | $(python3 -c "print(f'{$tokens / $seconds:.1f}')") | $drafted | $accepted |"
+    total_tokens=$((total_tokens + tokens)); total_drafted=$((total_drafted + drafted))
+    total_accepted=$((total_accepted + accepted))
+    total_seconds=$(python3 -c "print($total_seconds + $seconds)")
+  done
+  python3 -c "print(f'| all | {$total_tokens / $total_seconds:.1f} | $total_drafted | $total_accepted ({100 * $total_accepted / max($total_drafted, 1):.0f} %) |')"
+  echo "== the target alone: llama-bench batch-1 decode of ${MAX_TOKENS:-64} tokens"
+  "$bin/llama-bench" -m "$1" -t "$threads" -p 0 -n "${MAX_TOKENS:-64}" -r 3 2>/dev/null | grep -E '^\|'
+  exit 0
 fi
 
 models=("$@")

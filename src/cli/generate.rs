@@ -95,10 +95,13 @@ pub fn run(args: GenerateArgs, backend: MatmulBackend) -> anyhow::Result<()> {
             .collect();
         eprintln!("models: {}", legend.join(" "));
     }
+    // When each text event came and with how many tokens, for the decode rate.
+    let mut arrivals: Vec<(std::time::Instant, usize)> = Vec::new();
     let outcome = Runtime::run(&config, models, async |runtime| {
         let mut stdout = std::io::stdout().lock();
         let handle = runtime.submit(request);
         let summary = handle.finish(|text, tokens| {
+            arrivals.push((std::time::Instant::now(), tokens.len()));
             let colour = match tokens.first() {
                 Some(&(_, m)) if show => COLOURS[m % COLOURS.len()],
                 _ => "",
@@ -115,13 +118,13 @@ pub fn run(args: GenerateArgs, backend: MatmulBackend) -> anyhow::Result<()> {
         anyhow::bail!("the request was cancelled");
     };
     let ttft = s.ttft.unwrap_or_default().as_secs_f64();
-    let decode_secs = s.e2e.as_secs_f64() - ttft;
     let mut line = format!(
-        "prefill: {} tokens at {:.1} tok/s; decode: {} tokens at {:.1} tok/s; finish: {:?}",
+        "prefill: {} tokens at {:.1} tok/s; decode: {} tokens at {:.1} tok/s; e2e: {:.2} s; finish: {:?}",
         s.prompt_tokens,
         s.prompt_tokens as f64 / ttft.max(1e-9),
         s.completion_tokens,
-        s.completion_tokens.saturating_sub(1) as f64 / decode_secs.max(1e-9),
+        decode_rate(&arrivals),
+        s.e2e.as_secs_f64(),
         s.finish
     );
     if names.len() > 1 {
@@ -136,8 +139,38 @@ pub fn run(args: GenerateArgs, backend: MatmulBackend) -> anyhow::Result<()> {
             s.handoffs
         );
     }
+    let spec = s.speculation;
+    if spec.verifications > 0 {
+        line += &format!(
+            "; drafts accepted: {} of {} ({:.0} %), {:.2} per verification",
+            spec.accepted,
+            spec.drafted,
+            100.0 * spec.accepted as f64 / spec.drafted.max(1) as f64,
+            spec.accepted as f64 / spec.verifications as f64
+        );
+    }
     eprintln!("{line}");
     Ok(())
+}
+
+/// Tokens per second after the first ones: the tokens that arrived after the first burst
+/// over the time from the first arrival to the last. A burst is what arrived within a
+/// millisecond of the first arrival (one token, or the drafts a verification accepted with
+/// the verifier's own token), which the time before it, not after, produced.
+fn decode_rate(arrivals: &[(std::time::Instant, usize)]) -> f64 {
+    let Some(&(first, _)) = arrivals.first() else {
+        return 0.0;
+    };
+    let burst = std::time::Duration::from_millis(1);
+    let later: usize = arrivals
+        .iter()
+        .filter(|(t, _)| *t - first > burst)
+        .map(|&(_, n)| n)
+        .sum();
+    let span = arrivals
+        .last()
+        .map_or(0.0, |&(t, _)| (t - first).as_secs_f64());
+    later as f64 / span.max(1e-9)
 }
 
 impl GenerateArgs {

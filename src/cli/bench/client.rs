@@ -16,6 +16,10 @@ pub struct Sample {
     pub gaps: Vec<f64>,
     /// Output tokens produced by the LLM (share reported by the server × tokens).
     pub llm_tokens: f64,
+    /// Speculative decoding: drafted tokens verified, accepted, and the verifications.
+    pub drafted: u64,
+    pub accepted: u64,
+    pub verifications: u64,
     pub text: String,
 }
 
@@ -85,5 +89,10 @@ fn absorb(sample: &mut Sample, chunk: &Value, started: Instant, last: &mut Optio
             .map(|m| m.values().filter_map(Value::as_u64).sum())
             .unwrap_or(0);
         sample.llm_tokens = share * total as f64;
+        let spec = &chunk["routing"]["speculative"];
+        let count = |field: &str| spec[field].as_u64().unwrap_or(0);
+        sample.drafted = count("drafted_tokens");
+        sample.accepted = count("accepted_tokens");
+        sample.verifications = count("verifications");
     }
 }

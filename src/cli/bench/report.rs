@@ -46,6 +46,10 @@ pub struct LevelResult {
     pub inter_token_s: Percentiles,
     pub e2e_s: Percentiles,
     pub llm_token_share: f64,
+    /// Speculative decoding: the share of drafted tokens accepted, and the mean accepted per
+    /// verification (`None` without speculative decoding).
+    pub acceptance_rate: Option<f64>,
+    pub mean_accepted_length: Option<f64>,
     /// The servers' own prefix-cache hit rate over this level (hit ÷ looked-up tokens).
     pub prefix_hit_rate: Option<f64>,
     /// Every request's end-to-end seconds (for the CDF plot).
@@ -101,6 +105,9 @@ pub fn summarize(
         .iter()
         .map(|s| s.completion_tokens as f64 / s.e2e.max(1e-9))
         .collect();
+    let drafted: u64 = samples.iter().map(|s| s.drafted).sum();
+    let accepted: u64 = samples.iter().map(|s| s.accepted).sum();
+    let verifications: u64 = samples.iter().map(|s| s.verifications).sum();
     LevelResult {
         mode: mode.to_string(),
         concurrency,
@@ -114,6 +121,8 @@ pub fn summarize(
         inter_token_s: Percentiles::of(&gaps),
         e2e_s: Percentiles::of(&e2e),
         llm_token_share: samples.iter().fold(0.0, |a, s| a + s.llm_tokens) / output.max(1) as f64,
+        acceptance_rate: (drafted > 0).then(|| accepted as f64 / drafted as f64),
+        mean_accepted_length: (verifications > 0).then(|| accepted as f64 / verifications as f64),
         prefix_hit_rate: None,
         e2e_samples: e2e,
         repetitions: Vec::new(),
@@ -135,13 +144,19 @@ pub fn table(results: &[LevelResult]) -> String {
             .map(|r| r.output_tok_s)
     };
     let alone = results.iter().any(|r| r.mode == "llm-alone");
+    let speculative = results.iter().any(|r| r.acceptance_rate.is_some());
+    let (spec_head, spec_rule) = if speculative {
+        (" drafts accepted (mean length) |", "---|")
+    } else {
+        ("", "")
+    };
     let (alone_head, alone_rule) = if alone {
         (" vs llm-alone |", "---|")
     } else {
         ("", "")
     };
     let mut out = format!(
-        "| mode | concurrency | requests | output tok/s | vs {base_mode} |{alone_head} total tok/s | per-user tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 s | LLM share | prefix hit |\n|---|---|---|---|---|{alone_rule}---|---|---|---|---|---|---|\n"
+        "| mode | concurrency | requests | output tok/s | vs {base_mode} |{alone_head} total tok/s | per-user tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 s | LLM share |{spec_head} prefix hit |\n|---|---|---|---|---|{alone_rule}---|---|---|---|---|---|{spec_rule}---|\n"
     );
     for r in results {
         let ms =
@@ -163,8 +178,13 @@ pub fn table(results: &[LevelResult]) -> String {
             }
             None => String::new(),
         };
+        let spec = match (speculative, r.acceptance_rate, r.mean_accepted_length) {
+            (false, ..) => String::new(),
+            (true, Some(rate), Some(mean)) => format!(" {:.0}% ({mean:.2}) |", rate * 100.0),
+            (true, ..) => " – |".into(),
+        };
         out.push_str(&format!(
-            "| {} | {} | {}{} | {:.1}{range} | {} |{vs_alone} {:.1} | {:.2} | {} | {} | {:.1}/{:.1}/{:.1} | {:.0}% | {} |\n",
+            "| {} | {} | {}{} | {:.1}{range} | {} |{vs_alone} {:.1} | {:.2} | {} | {} | {:.1}/{:.1}/{:.1} | {:.0}% |{spec} {} |\n",
             r.mode, r.concurrency, r.requests,
             if r.failed > 0 { format!(" ({} failed)", r.failed) } else { String::new() },
             r.output_tok_s, ratio(base_mode), r.total_tok_s, r.per_user_tok_s, ms(&r.ttft_s),
@@ -319,8 +339,31 @@ mod tests {
             e2e,
             gaps: vec![0.01; tokens.saturating_sub(1)],
             llm_tokens: tokens as f64 / 2.0,
-            text: String::new(),
+            ..Sample::default()
         }
+    }
+
+    #[test]
+    fn speculative_levels_report_acceptance() {
+        let spec: Vec<_> = (1..=4)
+            .map(|i| Sample {
+                drafted: 10,
+                accepted: 8,
+                verifications: 4,
+                ..sample(i as f64, 10)
+            })
+            .collect();
+        let r = summarize("delayed", 1, &spec, 0, 10.0);
+        assert_eq!(r.acceptance_rate, Some(0.8));
+        assert_eq!(r.mean_accepted_length, Some(2.0));
+        let plain = summarize("llm-alone", 1, &[sample(1.0, 10)], 0, 10.0);
+        assert_eq!(plain.acceptance_rate, None);
+        let table = table(&[r, plain]);
+        assert!(table.contains("drafts accepted (mean length)"), "{table}");
+        assert!(
+            table.contains("| 80% (2.00) |") && table.contains("| – |"),
+            "{table}"
+        );
     }
 
     #[test]
