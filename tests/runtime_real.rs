@@ -13,17 +13,15 @@ use common::*;
 use tokenrouter::actors::{GenerateRequest, Prompt, Runtime};
 use tokenrouter::config::Config;
 use tokenrouter::model::runner::{logits_row, score_text};
-use tokenrouter::model::SamplingParams;
+use tokenrouter::model::{LoadedModel, SamplingParams};
 
-#[test]
-fn rstitch_on_the_real_pair_equals_the_full_recompute_oracle_for_64_tokens() {
-    let (high, low) = (0.6, 0.3);
+/// The shipped pair, loaded, and a config over it routed by the `[routing]` keys `routing`.
+fn real_pair(routing: &str) -> (Config, Arc<LoadedModel>, Arc<LoadedModel>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("config.toml");
     let text = format!(
         "[[models]]\nname = \"slm\"\npath = {:?}\n[[models]]\nname = \"llm\"\npath = {:?}\n\
-         [routing]\nalgorithm = \"r-stitch\"\nhigh = {high}\nlow = {low}\n\
-         [memory]\nkv_budget_mb = 64\n",
+         [routing]\n{routing}\n[memory]\nkv_budget_mb = 64\n",
         real_model(QWEN_05B),
         real_model(QWEN_15B)
     );
@@ -31,6 +29,15 @@ fn rstitch_on_the_real_pair_equals_the_full_recompute_oracle_for_64_tokens() {
     let config = Config::load(&path).unwrap();
     let slm = Arc::new(load(&real_model(QWEN_05B)));
     let llm = Arc::new(load(&real_model(QWEN_15B)));
+    (config, slm, llm)
+}
+
+#[test]
+fn rstitch_on_the_real_pair_equals_the_full_recompute_oracle_for_64_tokens() {
+    let (high, low) = (0.6, 0.3);
+    let (config, slm, llm) = real_pair(&format!(
+        "algorithm = \"r-stitch\"\nhigh = {high}\nlow = {low}"
+    ));
     let prompt = slm
         .encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
         .unwrap();
@@ -79,19 +86,7 @@ fn rstitch_on_the_real_pair_equals_the_full_recompute_oracle_for_64_tokens() {
 
 #[test]
 fn speculative_decoding_on_the_real_pair_gives_the_llms_own_64_tokens() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("config.toml");
-    let text = format!(
-        "[[models]]\nname = \"slm\"\npath = {:?}\n[[models]]\nname = \"llm\"\npath = {:?}\n\
-         [routing]\nalgorithm = \"speculative\"\ndraft_tokens = 4\n\
-         [memory]\nkv_budget_mb = 64\n",
-        real_model(QWEN_05B),
-        real_model(QWEN_15B)
-    );
-    std::fs::write(&path, text).unwrap();
-    let config = Config::load(&path).unwrap();
-    let slm = Arc::new(load(&real_model(QWEN_05B)));
-    let llm = Arc::new(load(&real_model(QWEN_15B)));
+    let (config, slm, llm) = real_pair("algorithm = \"speculative\"\ndraft_tokens = 4");
     let max_tokens = 64;
     let prompts: Vec<Vec<u32>> = [
         "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
