@@ -96,7 +96,7 @@ sys.stdout.write("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. Yo
 PY
     log="$work/speculative-$i.log"
     "$bin/llama-speculative-simple" -m "$1" -md "$DRAFT" -f "$prompt_file" -t "$threads" \
-      -td "$threads" -n "${MAX_TOKENS:-64}" --draft-max "${DRAFT_MAX:-5}" --draft-min 0 \
+      -td "$threads" -n "${MAX_TOKENS:-64}" --spec-type draft-simple --spec-draft-n-max "${DRAFT_MAX:-5}" --spec-draft-n-min 0 \
       --temp 0 -c 4096 --ignore-eos >"$log" 2>&1 || die "llama-speculative-simple failed, see $log"
     read -r tokens seconds < <(sed -nE 's/.*decoded +([0-9]+) tokens in +([0-9.]+) seconds.*/\1 \2/p' "$log" | tail -1)
     drafted=$(sed -nE 's/.*n_drafted *= *([0-9]+).*/\1/p' "$log" | tail -1)
