@@ -582,6 +582,11 @@ impl Config {
             }
             RoutingConfig::Ensemble { .. } => Ok(()),
             RoutingConfig::Speculative {
+                draft_tokens: DraftTokens::Auto,
+            } if self.scheduler.max_batch_tokens < 2 => Err(
+                "routing.algorithm = \"speculative\" verifies a draft and the position after it in one step: set scheduler.max_batch_tokens to at least 2".into(),
+            ),
+            RoutingConfig::Speculative {
                 draft_tokens: DraftTokens::Fixed(k),
             } if *k == 0 || *k > MAX_DRAFT_TOKENS || *k >= self.scheduler.max_batch_tokens => {
                 Err(format!(

@@ -619,3 +619,50 @@ fn speculative_sampling_follows_the_llms_distribution() {
         "the SLM's own samples must fail the test: chi-square {statistic:.1}"
     );
 }
+
+/// Drafts never carry a request past the context: prompts that leave room for one to six
+/// tokens get exactly the LLM's greedy tokens up to the context's end.
+#[test]
+fn speculative_decoding_ends_exactly_at_the_context() {
+    let pair = draft_pair();
+    let context = pair.models[1].model.config().context_length;
+    let routing = "[routing]\nalgorithm = \"speculative\"\ndraft_tokens = 4\n";
+    let config = config(pair.dir.path(), routing);
+    let prompts: Vec<Vec<u32>> = (1..=6)
+        .map(|room| {
+            (0..(context - room) as u32)
+                .map(|i| (i * 7) % 250)
+                .collect()
+        })
+        .collect();
+    let got = with_runtime(&config, &pair, async |rt: &Runtime| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let mut req = greedy(p, context - p.len());
+                req.ignore_eos = true;
+                rt.submit(req)
+            })
+            .collect();
+        let mut out = Vec::new();
+        for h in handles {
+            let outcome = collect(h, None).await;
+            assert!(
+                matches!(outcome.terminals.as_slice(), [RequestEvent::Finished(_)]),
+                "{:?}",
+                outcome.terminals
+            );
+            out.push(outcome.tokens);
+        }
+        out
+    });
+    for (prompt, tokens) in prompts.iter().zip(&got) {
+        assert_eq!(prompt.len() + tokens.len(), context);
+        let mut text = prompt.clone();
+        for t in tokens {
+            let logits = fresh_logits(&pair.models[1].model, &text);
+            assert_eq!(t.token, tokenrouter::model::sampler::argmax(&logits));
+            text.push(t.token);
+        }
+    }
+}

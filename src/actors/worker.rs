@@ -245,10 +245,18 @@ impl ModelWorker {
     }
 
     /// A request arriving from a peer: extend a pending one, or admit it on its first visit.
-    pub fn handoff(&mut self, from: ModelIndex, handoff: Handoff, now: Instant) {
+    pub fn handoff(&mut self, from: ModelIndex, mut handoff: Handoff, now: Instant) {
         let id = handoff.meta.id;
         if self.ended.contains(&id) {
             return;
+        }
+        // Drafts past this model's length limit are dropped: they are only proposals, and a
+        // verifier computes every one it holds.
+        let over = (handoff.tokens.len().saturating_sub(self.max_len)).min(handoff.drafts);
+        if over > 0 {
+            handoff.tokens.truncate(handoff.tokens.len() - over);
+            handoff.drafts -= over;
+            handoff.dists.truncate(handoff.drafts);
         }
         let Some(local) = self.requests.get_mut(&id) else {
             return self.admit(handoff, from, now);
@@ -280,7 +288,7 @@ impl ModelWorker {
     /// Admits a request on its first visit here, from `from` (this model for a new one).
     fn admit(&mut self, handoff: Handoff, from: ModelIndex, now: Instant) {
         let meta = &handoff.meta;
-        let tokens = &handoff.tokens;
+        let committed = handoff.tokens.len() - handoff.drafts;
         let sampler = match Sampler::on_stream(meta.params.clone(), self.index as u64) {
             Ok(s) => s,
             Err(e) => {
@@ -290,11 +298,11 @@ impl ModelWorker {
                 return self.end(meta.id);
             }
         };
-        if tokens.is_empty() || tokens.len() >= self.max_len {
+        if committed == 0 || committed >= self.max_len {
             meta.sink.send(TokenEvent::Failed {
                 message: format!(
                     "the sequence has {} tokens; model '{}' holds 1 to {}",
-                    tokens.len(),
+                    committed,
                     self.name,
                     self.max_len - 1
                 ),

@@ -113,6 +113,18 @@ fn learned_ensemble_and_query_level_sections_are_checked() {
         ("algorithm = \"citer\"", "router"),
         ("algorithm = \"bernoulli\"\np = 1.5", "routing.p = 1.5"),
         ("algorithm = \"bernoulli\"", "missing field `p`"),
+        (
+            "algorithm = \"speculative\"\ndraft_tokens = 0",
+            "routing.draft_tokens = 0",
+        ),
+        (
+            "algorithm = \"speculative\"\ndraft_tokens = 17",
+            "draft 1 to 16 tokens",
+        ),
+        (
+            "algorithm = \"speculative\"\ndraft_tokens = \"many\"",
+            "a number of tokens or \"auto\"",
+        ),
     ];
     for (routing, needle) in bad {
         let err = load_str(&format!("{two}[routing]\n{routing}\n")).unwrap_err();
@@ -130,13 +142,42 @@ fn learned_ensemble_and_query_level_sections_are_checked() {
         bernoulli.routing,
         RoutingConfig::Bernoulli { p: 0.1, seed: 7 }
     );
+    for (value, want) in [
+        ("", DraftTokens::Auto),
+        ("draft_tokens = \"auto\"\n", DraftTokens::Auto),
+        ("draft_tokens = 5\n", DraftTokens::Fixed(5)),
+    ] {
+        let config = load_str(&format!(
+            "{two}[routing]\nalgorithm = \"speculative\"\n{value}"
+        ))
+        .unwrap();
+        assert_eq!(
+            config.routing,
+            RoutingConfig::Speculative { draft_tokens: want }
+        );
+    }
+    let err = load_str(&format!(
+        "{two}[routing]\nalgorithm = \"speculative\"\n[scheduler]\nmax_batch_tokens = 1\n"
+    ))
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("max_batch_tokens to at least 2"),
+        "{err}"
+    );
 }
 
 #[test]
-fn the_shipped_config_is_valid() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.toml");
-    let config = Config::load(&path).unwrap();
+fn the_shipped_configs_are_valid() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let config = Config::load(&root.join("config.toml")).unwrap();
     assert!(config.model("slm").is_some() && config.model("llm").is_some());
+    for entry in std::fs::read_dir(root.join("configs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let config = Config::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert!(!config.models.is_empty(), "{}", path.display());
+        }
+    }
 }
 
 #[test]

@@ -198,8 +198,8 @@ impl Sampler {
     /// Speculative sampling's test of a `token` drafted from `q`, against the verifying
     /// model's `p`: accepted (`None`) with probability min(1, p(token) / q(token)); otherwise
     /// the token put in its place (`Some`), drawn from the normalised max(0, p - q) (from `p`
-    /// when rounding leaves that empty). The tokens this yields follow `p` exactly, whatever
-    /// `q` is.
+    /// without `token` when rounding leaves that empty). The tokens this yields follow `p`
+    /// exactly, whatever `q` is.
     pub fn verify(&mut self, p: &Distribution, q: &Distribution, token: u32) -> Option<u32> {
         let (pt, qt) = (p.prob(token), q.prob(token));
         let u = self.rng.random::<f64>();
@@ -210,7 +210,17 @@ impl Sampler {
             .entries
             .iter()
             .map(|&(t, pt)| (t, (pt - q.prob(t)).max(0.0) as f64));
-        Some(draw_from(&mut self.rng, residual).unwrap_or_else(|| self.draw(p)))
+        // Rounding can leave the residual empty when p and q all but agree: then p without
+        // the rejected token (which would otherwise come back as its own replacement).
+        let others = p
+            .entries
+            .iter()
+            .map(|&(t, pt)| (t, if t == token { 0.0 } else { pt as f64 }));
+        Some(
+            draw_from(&mut self.rng, residual)
+                .or_else(|| draw_from(&mut self.rng, others))
+                .unwrap_or(token),
+        )
     }
 
     /// Top-k: the `top_k` largest logits, sorted, then min-p, top-p and the draw among them.

@@ -283,7 +283,10 @@ pub fn build(
                         (s, l) if s > 0 && l > 0 => s as f64 / l as f64,
                         _ => speculative::DEFAULT_DRAFT_COST,
                     };
-                    speculative::DraftLength::Auto { cost }
+                    // A verification computes k + 1 positions in one step.
+                    let budget = config.scheduler.max_batch_tokens.saturating_sub(1);
+                    let max = speculative::MAX_AUTO_DRAFT.min(budget);
+                    speculative::DraftLength::Auto { cost, max }
                 }
             };
             Arc::new(Speculative::new(pair, draft))

@@ -21,15 +21,17 @@ use crate::config::MAX_DRAFT_TOKENS;
 pub const DEFAULT_DRAFT_COST: f64 = 0.3;
 
 /// The most tokens [`DraftLength::Auto`] drafts.
-const MAX_AUTO_DRAFT: usize = 8;
+pub const MAX_AUTO_DRAFT: usize = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum DraftLength {
     Fixed(usize),
-    /// Chosen per request from its acceptance so far; `cost` is a draft step's cost relative
-    /// to a verification.
+    /// Chosen per request from its acceptance so far, at most `max` (a verification computes
+    /// `k + 1` positions in one step, within the step's token budget); `cost` is a draft
+    /// step's cost relative to a verification.
     Auto {
         cost: f64,
+        max: usize,
     },
 }
 
@@ -47,17 +49,19 @@ impl Speculative {
     pub fn draft_length(&self, speculation: &Speculation) -> usize {
         match self.draft {
             DraftLength::Fixed(k) => k.clamp(1, MAX_DRAFT_TOKENS),
-            DraftLength::Auto { cost } => best_draft_length(speculation.acceptance(), cost),
+            DraftLength::Auto { cost, max } => {
+                best_draft_length(speculation.acceptance(), cost, max)
+            }
         }
     }
 }
 
-/// The `k` in `1..=MAX_AUTO_DRAFT` with the most expected tokens per unit of cost, for
-/// acceptance `a` and a draft step costing `cost` verifications.
-fn best_draft_length(a: f64, cost: f64) -> usize {
+/// The `k` in `1..=max` with the most expected tokens per unit of cost, for acceptance `a`
+/// and a draft step costing `cost` verifications.
+fn best_draft_length(a: f64, cost: f64, max: usize) -> usize {
     let a = a.clamp(0.0, 0.999);
     let rate = |k: usize| (1.0 - a.powi(k as i32 + 1)) / ((1.0 - a) * (1.0 + cost * k as f64));
-    (1..=MAX_AUTO_DRAFT)
+    (1..=max.max(1))
         .max_by(|&x, &y| rate(x).total_cmp(&rate(y)))
         .unwrap_or(1)
 }
@@ -135,10 +139,24 @@ mod tests {
     /// 4.10 / 2.4 = 1.71 against 1.68 at k = 3 and 1.70 at k = 5; poor acceptance drafts one.
     #[test]
     fn auto_drafts_more_the_more_is_accepted() {
-        assert_eq!(best_draft_length(0.9, 0.35), 4);
-        assert_eq!(best_draft_length(0.2, 0.35), 1);
-        assert_eq!(best_draft_length(0.99, 0.05), MAX_AUTO_DRAFT);
-        let algo = Speculative::new(PAIR, DraftLength::Auto { cost: 0.35 });
+        assert_eq!(best_draft_length(0.9, 0.35, MAX_AUTO_DRAFT), 4);
+        assert_eq!(best_draft_length(0.2, 0.35, MAX_AUTO_DRAFT), 1);
+        assert_eq!(
+            best_draft_length(0.99, 0.05, MAX_AUTO_DRAFT),
+            MAX_AUTO_DRAFT
+        );
+        assert_eq!(
+            best_draft_length(0.99, 0.05, 3),
+            3,
+            "the step's token budget caps it"
+        );
+        let algo = Speculative::new(
+            PAIR,
+            DraftLength::Auto {
+                cost: 0.35,
+                max: MAX_AUTO_DRAFT,
+            },
+        );
         let good = Speculation {
             drafted: 400,
             accepted: 360,

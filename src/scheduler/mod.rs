@@ -137,6 +137,19 @@ impl Entry {
         }
     }
 
+    /// Drops the K/V from position `pos` on, with the blocks past it. A kept block that the
+    /// prefix index holds is never written again: it goes back whole and its kept part is
+    /// computed again.
+    fn forget_from(&mut self, pos: usize, block_size: usize) {
+        let mut computed = self.computed.min(pos);
+        if !computed.is_multiple_of(block_size) && computed / block_size < self.registered {
+            computed -= computed % block_size;
+        }
+        self.computed = computed;
+        self.registered = self.registered.min(computed / block_size);
+        self.blocks.truncate(computed.div_ceil(block_size));
+    }
+
     /// How many tokens the next chunk computes with at most `limit`: all the rest, or a
     /// chunk that ends before the positions whose logits are wanted (`None` when no such
     /// chunk is left, as all of them must be computed in one step).
@@ -241,6 +254,11 @@ impl Scheduler {
             e.blocks.clear();
         }
         e.set_tokens(known, self.limits.block_size);
+        // A request arriving samples here, so its last token is computed (again, if a peer
+        // took back what this model had computed past it).
+        if e.computed >= e.len && e.len > 0 {
+            e.forget_from(e.len - 1, self.limits.block_size);
+        }
         e.away = false;
         e.visit_since = now;
     }
@@ -255,14 +273,8 @@ impl Scheduler {
             return;
         };
         e.len = e.len.min(keep);
-        let mut computed = e.computed.min(keep);
-        if computed % bs != 0 && computed / bs < e.registered {
-            computed -= computed % bs;
-        }
-        e.computed = computed;
-        e.registered = e.registered.min(computed / bs);
         e.hashes.truncate(e.len / bs);
-        e.blocks.truncate(computed.div_ceil(bs));
+        e.forget_from(keep, bs);
     }
 
     /// The KV block ids holding `id`'s positions, in order.

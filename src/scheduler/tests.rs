@@ -316,3 +316,16 @@ fn rollback_into_a_cached_block_gives_it_back_whole() {
     sim.s.commit(1, &sim.tokens[&1]);
     assert_eq!(sim.s.schedule().items, [item(1, 4, 2, true)]);
 }
+
+#[test]
+fn a_request_handed_back_fewer_tokens_than_it_computed_computes_its_last_again() {
+    let mut sim = Sim::new(limits(16));
+    sim.add(1, 6);
+    sim.run();
+    // 7 tokens known, 6 computed; a peer hands back only the first 5.
+    sim.s.leave(1, &sim.tokens[&1]);
+    sim.s.rollback(1, 5);
+    sim.tokens.get_mut(&1).unwrap().truncate(5);
+    sim.s.resume(1, &sim.tokens[&1], false, sim.now);
+    assert_eq!(sim.s.schedule().items, [item(1, 4, 1, true)]);
+}
