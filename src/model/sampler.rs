@@ -144,7 +144,8 @@ impl Sampler {
     /// their probabilities (penalties, temperature, top-k, min-p and top-p applied, the kept
     /// tokens' softmax renormalised); greedy gives the argmax with probability 1. For
     /// speculative decoding, which needs the probability of a drafted token under both
-    /// models. It sorts the candidates only under top-k or top-p.
+    /// models. Under top-k or top-p it sorts only as many of the largest candidates as the
+    /// rules need.
     pub fn distribution(&self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Distribution {
         let p = &self.params;
         let penalised = self.penalised(logits, prompt, output);
@@ -170,9 +171,24 @@ impl Sampler {
                 cand.select_nth_unstable_by(p.top_k - 1, by_logit);
                 cand.truncate(p.top_k);
             }
-            cand.sort_unstable_by(by_logit);
             let total: f32 = cand.iter().map(|&(_, v)| weight(v, max)).sum();
-            let keep = self.keep(&cand, total).unwrap_or(cand.len());
+            // Only the largest are sorted, 64 first and four times more each round, until
+            // min-p or top-p stops (a nucleus is mostly far smaller than the vocabulary).
+            let mut sorted = 0;
+            let keep = loop {
+                let end = (4 * sorted).max(64).min(cand.len());
+                if end < cand.len() {
+                    cand[sorted..].select_nth_unstable_by(end - sorted - 1, by_logit);
+                }
+                cand[sorted..end].sort_unstable_by(by_logit);
+                sorted = end;
+                if let Some(keep) = self.keep(&cand[..sorted], total) {
+                    break keep;
+                }
+                if sorted == cand.len() {
+                    break sorted;
+                }
+            };
             cand.truncate(keep);
             cand.sort_unstable_by_key(|&(t, _)| t);
         } else if p.min_p > 0.0 {

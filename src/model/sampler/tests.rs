@@ -267,13 +267,53 @@ fn temperature_sampling_follows_the_softmax() {
     }
 }
 
+/// The probabilities min-p and then top-p leave of `probs`, renormalised, by their
+/// definitions over the sorted softmax in f64; also how many tokens they keep.
+fn defined_nucleus(probs: &[f64], min_p: f32, top_p: f32) -> (Vec<f64>, usize) {
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+    let top = probs[order[0]];
+    let mut keep = order
+        .iter()
+        .take_while(|&&i| probs[i] >= min_p as f64 * top)
+        .count();
+    let mut cum = 0.0;
+    for (k, &i) in order[..keep].iter().enumerate() {
+        cum += probs[i];
+        if cum >= top_p as f64 {
+            // Far from the boundary, so rounding cannot move it.
+            assert!(cum - top_p as f64 > 1e-5 && cum - probs[i] < top_p as f64 - 1e-5);
+            keep = k + 1;
+            break;
+        }
+    }
+    let mass: f64 = order[..keep].iter().map(|&i| probs[i]).sum();
+    let kept: std::collections::HashSet<usize> = order[..keep].iter().copied().collect();
+    let out = (0..probs.len())
+        .map(|i| {
+            if kept.contains(&i) {
+                probs[i] / mass
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    (out, keep)
+}
+
+/// A flat row of 1000 logits, whose nucleus holds hundreds of tokens.
+fn flat_row() -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    (0..1000).map(|_| rng.random_range(-1.0..1.0)).collect()
+}
+
 /// Min-p, top-p and both, by their definitions over the sorted softmax in f64; the
 /// nucleus of the flat row holds hundreds of tokens, so it is sorted in several rounds.
+/// The sampler's whole distribution keeps the same tokens with the same probabilities.
 #[test]
 fn min_p_and_top_p_keep_the_defined_tokens() {
     let (logits, output) = spread_row();
-    let mut rng = ChaCha8Rng::seed_from_u64(5);
-    let flat: Vec<f32> = (0..1000).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let flat = flat_row();
     for (row, min_p, top_p) in [
         (&logits, 0.0f32, 0.9f32),
         (&logits, 0.1, 1.0),
@@ -282,35 +322,14 @@ fn min_p_and_top_p_keep_the_defined_tokens() {
     ] {
         let n = 50_000;
         let output: &[u32] = if row.len() == 300 { &output } else { &[] };
-        let mut probs = if row.len() == 300 {
+        let softmaxed = if row.len() == 300 {
             softmax(row, 1.0)
         } else {
             let w: Vec<f64> = row.iter().map(|&l| (l as f64).exp()).collect();
             let total: f64 = w.iter().sum();
             w.iter().map(|w| w / total).collect()
         };
-        let mut order: Vec<usize> = (0..row.len()).collect();
-        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
-        let top = probs[order[0]];
-        let mut keep = order
-            .iter()
-            .take_while(|&&i| probs[i] >= min_p as f64 * top)
-            .count();
-        let mut cum = 0.0;
-        for (k, &i) in order[..keep].iter().enumerate() {
-            cum += probs[i];
-            if cum >= top_p as f64 {
-                // Far from the boundary, so rounding cannot move it.
-                assert!(cum - top_p as f64 > 1e-5 && cum - probs[i] < top_p as f64 - 1e-5);
-                keep = k + 1;
-                break;
-            }
-        }
-        let mass: f64 = order[..keep].iter().map(|&i| probs[i]).sum();
-        let kept: std::collections::HashSet<usize> = order[..keep].iter().copied().collect();
-        for (i, p) in probs.iter_mut().enumerate() {
-            *p = if kept.contains(&i) { *p / mass } else { 0.0 };
-        }
+        let (probs, keep) = defined_nucleus(&softmaxed, min_p, top_p);
         let mut s = sampler(SamplingParams {
             min_p,
             top_p,
@@ -318,6 +337,12 @@ fn min_p_and_top_p_keep_the_defined_tokens() {
             seed: Some(8),
             ..SamplingParams::default()
         });
+        let dist = s.distribution(row, &[], output);
+        assert_eq!(dist.entries().len(), keep, "min_p {min_p}, top_p {top_p}");
+        for (t, &p) in probs.iter().enumerate() {
+            let got = dist.prob(t as u32) as f64;
+            assert!((got - p).abs() < 1e-6, "token {t}: {got} against {p}");
+        }
         let seen = histogram(&mut s, row, output, n);
         let drawn = seen.iter().filter(|&&c| c > 0).count();
         assert!(
