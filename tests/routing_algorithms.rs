@@ -107,11 +107,22 @@ fn run_all(pair: &Pair, routing: &str, mode: &str) -> Vec<Vec<OracleToken>> {
 
 /// Runs every prompt greedily (EOS ignored) through a runtime over `pair`'s models.
 fn run_with(pair: &Pair, config: &tokenrouter::config::Config) -> Vec<Vec<OracleToken>> {
+    run_greedy(pair, config, &prompts(), |_| MAX_TOKENS)
+}
+
+/// Runs `prompts` greedily (EOS ignored, `max_tokens` of each) through a runtime over
+/// `pair`'s models; each must finish.
+fn run_greedy(
+    pair: &Pair,
+    config: &tokenrouter::config::Config,
+    prompts: &[Vec<u32>],
+    max_tokens: impl Fn(&[u32]) -> usize,
+) -> Vec<Vec<OracleToken>> {
     with_runtime(config, pair, async |rt: &Runtime| {
-        let handles: Vec<_> = prompts()
+        let handles: Vec<_> = prompts
             .iter()
             .map(|p| {
-                let mut req = greedy(p, MAX_TOKENS);
+                let mut req = greedy(p, max_tokens(p));
                 req.ignore_eos = true;
                 rt.submit(req)
             })
@@ -635,27 +646,7 @@ fn speculative_decoding_ends_exactly_at_the_context() {
                 .collect()
         })
         .collect();
-    let got = with_runtime(&config, &pair, async |rt: &Runtime| {
-        let handles: Vec<_> = prompts
-            .iter()
-            .map(|p| {
-                let mut req = greedy(p, context - p.len());
-                req.ignore_eos = true;
-                rt.submit(req)
-            })
-            .collect();
-        let mut out = Vec::new();
-        for h in handles {
-            let outcome = collect(h, None).await;
-            assert!(
-                matches!(outcome.terminals.as_slice(), [RequestEvent::Finished(_)]),
-                "{:?}",
-                outcome.terminals
-            );
-            out.push(outcome.tokens);
-        }
-        out
-    });
+    let got = run_greedy(&pair, &config, &prompts, |p| context - p.len());
     for (prompt, tokens) in prompts.iter().zip(&got) {
         assert_eq!(prompt.len() + tokens.len(), context);
         let mut text = prompt.clone();

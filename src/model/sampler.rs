@@ -172,23 +172,7 @@ impl Sampler {
                 cand.truncate(p.top_k);
             }
             let total: f32 = cand.iter().map(|&(_, v)| weight(v, max)).sum();
-            // Only the largest are sorted, 64 first and four times more each round, until
-            // min-p or top-p stops (a nucleus is mostly far smaller than the vocabulary).
-            let mut sorted = 0;
-            let keep = loop {
-                let end = (4 * sorted).max(64).min(cand.len());
-                if end < cand.len() {
-                    cand[sorted..].select_nth_unstable_by(end - sorted - 1, by_logit);
-                }
-                cand[sorted..end].sort_unstable_by(by_logit);
-                sorted = end;
-                if let Some(keep) = self.keep(&cand[..sorted], total) {
-                    break keep;
-                }
-                if sorted == cand.len() {
-                    break sorted;
-                }
-            };
+            let keep = self.keep_largest(&mut cand, total).unwrap_or(cand.len());
             cand.truncate(keep);
             cand.sort_unstable_by_key(|&(t, _)| t);
         } else if p.min_p > 0.0 {
@@ -305,17 +289,8 @@ impl Sampler {
                     cand.push(((start + j) as u32, v));
                 }
             }
-            let mut sorted = 0;
-            while sorted < cand.len() {
-                let end = (4 * sorted).max(64).min(cand.len());
-                if end < cand.len() {
-                    cand[sorted..].select_nth_unstable_by(end - sorted - 1, by_logit);
-                }
-                cand[sorted..end].sort_unstable_by(by_logit);
-                sorted = end;
-                if let Some(keep) = self.keep(&cand[..sorted], total) {
-                    return self.draw_sorted(&cand[..keep], total);
-                }
+            if let Some(keep) = self.keep_largest(&mut cand, total) {
+                return self.draw_sorted(&cand[..keep], total);
             }
             // Min-p's bound, or no bound left: every gathered token is kept.
             if floor <= by_min_p || floor == f32::MIN_POSITIVE {
@@ -387,6 +362,26 @@ impl Sampler {
             last = j;
         }
         (b * BLOCK + last) as u32
+    }
+
+    /// Sorts the largest of `cand` (by decreasing logit), 64 first and four times more each
+    /// round, until min-p or top-p stops within them ([`Sampler::keep`]), which it returns;
+    /// `None` when neither stops (every candidate is sorted then). A nucleus is mostly far
+    /// smaller than the vocabulary, so most of `cand` is never sorted.
+    fn keep_largest(&self, cand: &mut [(u32, f32)], total: f32) -> Option<usize> {
+        let mut sorted = 0;
+        while sorted < cand.len() {
+            let end = (4 * sorted).max(64).min(cand.len());
+            if end < cand.len() {
+                cand[sorted..].select_nth_unstable_by(end - sorted - 1, by_logit);
+            }
+            cand[sorted..end].sort_unstable_by(by_logit);
+            sorted = end;
+            if let Some(keep) = self.keep(&cand[..sorted], total) {
+                return Some(keep);
+            }
+        }
+        None
     }
 
     /// How many of the leading `sorted` candidates (by decreasing logit, normalised by
