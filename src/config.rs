@@ -202,6 +202,10 @@ pub enum RoutingConfig {
     Speculative {
         #[serde(default)]
         draft_tokens: DraftTokens,
+        /// The SLM drafts from the first `draft_vocab` token ids only (its LM head reads that
+        /// many rows); the output stays exactly the LLM's.
+        #[serde(default)]
+        draft_vocab: Option<usize>,
     },
 }
 
@@ -582,12 +586,18 @@ impl Config {
             }
             RoutingConfig::Ensemble { .. } => Ok(()),
             RoutingConfig::Speculative {
+                draft_vocab: Some(0),
+                ..
+            } => Err("routing.draft_vocab = 0: draft from at least one token id".into()),
+            RoutingConfig::Speculative {
                 draft_tokens: DraftTokens::Auto,
+                ..
             } if self.scheduler.max_batch_tokens < 2 => Err(
                 "routing.algorithm = \"speculative\" verifies a draft and the position after it in one step: set scheduler.max_batch_tokens to at least 2".into(),
             ),
             RoutingConfig::Speculative {
                 draft_tokens: DraftTokens::Fixed(k),
+                ..
             } if *k == 0 || *k > MAX_DRAFT_TOKENS || *k >= self.scheduler.max_batch_tokens => {
                 Err(format!(
                     "routing.draft_tokens = {k}: draft 1 to {MAX_DRAFT_TOKENS} tokens, fewer than scheduler.max_batch_tokens ({})",

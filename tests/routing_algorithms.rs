@@ -657,3 +657,41 @@ fn speculative_decoding_ends_exactly_at_the_context() {
         }
     }
 }
+
+/// A drafter restricted to the first 128 token ids drafts only those, and the output is
+/// still the LLM's greedy output.
+#[test]
+fn a_draft_vocabulary_changes_the_drafts_not_the_output() {
+    let pair = draft_pair();
+    let mut slm = tokenrouter::model::LoadedModel::load(
+        &pair.dir.path().join("slm.gguf"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    slm.set_draft_vocab(128).unwrap();
+    let llm = pair.models[1].clone();
+    let pair = Pair {
+        models: vec![std::sync::Arc::new(slm), llm],
+        dir: pair.dir,
+    };
+    let routing = "[routing]\nalgorithm = \"speculative\"\ndraft_tokens = 3\n";
+    let got = run_all(&pair, routing, "eager");
+    for (prompt, tokens) in prompts().iter().zip(&got) {
+        let mut context = prompt.clone();
+        for t in tokens {
+            let logits = fresh_logits(&pair.models[1].model, &context);
+            assert_eq!(t.token, tokenrouter::model::sampler::argmax(&logits));
+            context.push(t.token);
+        }
+    }
+    let drafted: Vec<u32> = got
+        .iter()
+        .flatten()
+        .filter(|t| t.model == 0)
+        .map(|t| t.token)
+        .collect();
+    assert!(
+        !drafted.is_empty() && drafted.iter().all(|&t| t < 128),
+        "{drafted:?}"
+    );
+}

@@ -536,16 +536,17 @@ fn a_header_flood_is_refused_and_the_server_keeps_serving() {
     }
 }
 
-/// A server decoding speculatively reports each response's drafts and acceptance in its
-/// `routing` field and their totals in `/metrics`; a streamed answer carries only committed
-/// tokens, the same text as the whole one, and every block comes back.
+/// A server decoding speculatively (its SLM drafting from a draft vocabulary) reports each
+/// response's drafts and acceptance in its `routing` field and their totals in `/metrics`; a
+/// streamed answer carries only committed tokens, the same text as the whole one, and every
+/// block comes back.
 #[test]
 fn speculative_decoding_is_served_with_its_acceptance_reported() {
     let dir = common::server::tiny_pair_config("");
     let path = dir.path().join("config.toml");
     let text = std::fs::read_to_string(&path).unwrap().replace(
         "algorithm = \"r-stitch\"\nhigh = 5.2\nlow = 5.0",
-        "algorithm = \"speculative\"\ndraft_tokens = 3",
+        "algorithm = \"speculative\"\ndraft_tokens = 3\ndraft_vocab = 200",
     );
     std::fs::write(&path, text).unwrap();
     let config = path.to_str().unwrap().to_string();

@@ -428,3 +428,49 @@ fn random_weights_take_only_the_tokenizer_from_the_path() {
         .to_string();
     assert!(err.contains("q2_k"), "{err}");
 }
+
+/// A draft vocabulary: `forward` gives the first ids' logits as the whole head does and -inf
+/// past them; `forward_all_positions` keeps the whole head. A GGUF file and a Hugging Face
+/// directory alike.
+#[test]
+fn a_draft_vocabulary_keeps_the_first_logits_and_masks_the_rest() {
+    use tokenrouter::model::runner::{score_text, step, Sequence};
+    use tokenrouter::model::KvCache;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec::new(Architecture::Qwen2);
+    let gguf = dir.path().join("tiny.gguf");
+    write_gguf(&spec, &gguf, &[GgmlDType::Q8_0]).unwrap();
+    let hf = dir.path().join("hf");
+    write_hf_dir(&spec, &hf, DType::F32).unwrap();
+    let n = 100;
+    for path in [gguf, hf] {
+        let full = LoadedModel::load(&path, &Device::Cpu).unwrap();
+        let mut draft = LoadedModel::load(&path, &Device::Cpu).unwrap();
+        draft.set_draft_vocab(n).unwrap();
+        let logits = |lm: &LoadedModel| {
+            let mut kv = KvCache::with_capacity(lm.model.config(), 16, 64, KvDtype::F32).unwrap();
+            let pool = tokenrouter::scheduler::BlockPool::new(kv.num_blocks());
+            let mut seq = Sequence::new(vec![5, 6, 7, 8, 9]);
+            let out = step(&lm.model, &mut kv, &pool, &mut [&mut seq], false).unwrap();
+            out.logits.to_vec2::<f32>().unwrap().remove(0)
+        };
+        let (whole, some) = (logits(&full), logits(&draft));
+        assert_eq!(some.len(), whole.len());
+        for (t, (a, b)) in some.iter().zip(&whole).enumerate().take(n) {
+            assert!(
+                (a - b).abs() < 1e-4,
+                "{}: token {t}: {a} against {b}",
+                path.display()
+            );
+        }
+        assert!(some[n..].iter().all(|&l| l == f32::NEG_INFINITY));
+        let text = [5u32, 6, 7];
+        let scored = score_text(&draft.model, &text).unwrap().logits;
+        let want = score_text(&full.model, &text).unwrap().logits;
+        assert_eq!(
+            scored.to_vec2::<f32>().unwrap(),
+            want.to_vec2::<f32>().unwrap()
+        );
+        assert!(draft.set_draft_vocab(spec.vocab_size() + 1).is_err());
+    }
+}

@@ -125,6 +125,10 @@ fn learned_ensemble_and_query_level_sections_are_checked() {
             "algorithm = \"speculative\"\ndraft_tokens = \"many\"",
             "a number of tokens or \"auto\"",
         ),
+        (
+            "algorithm = \"speculative\"\ndraft_vocab = 0",
+            "routing.draft_vocab = 0",
+        ),
     ];
     for (routing, needle) in bad {
         let err = load_str(&format!("{two}[routing]\n{routing}\n")).unwrap_err();
@@ -153,7 +157,10 @@ fn learned_ensemble_and_query_level_sections_are_checked() {
         .unwrap();
         assert_eq!(
             config.routing,
-            RoutingConfig::Speculative { draft_tokens: want }
+            RoutingConfig::Speculative {
+                draft_tokens: want,
+                draft_vocab: None
+            }
         );
     }
     let err = load_str(&format!(

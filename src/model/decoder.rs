@@ -21,7 +21,7 @@ use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
 use super::timing::{timed, Part, PROJECTIONS};
-use super::weights::{MatmulBackend, WeightSource};
+use super::weights::{MatmulBackend, Weight, WeightSource};
 use crate::kernels::rope::inverse_frequencies;
 use load::{CountingSource, Loader};
 
@@ -47,6 +47,17 @@ enum Inner {
     Cpu(Decoder<Cpu>),
     #[cfg(feature = "cuda")]
     Cuda(Decoder<Cuda>),
+}
+
+/// `with_decoder!` with `$d` bound mutably.
+macro_rules! with_decoder_mut {
+    ($model:expr, $d:ident => $body:expr) => {
+        match &mut $model.inner {
+            Inner::Cpu($d) => $body,
+            #[cfg(feature = "cuda")]
+            Inner::Cuda($d) => $body,
+        }
+    };
 }
 
 /// `$body` with `$d` bound to the model's decoder, whatever its backend.
@@ -216,6 +227,39 @@ impl Model {
     ) -> Result<ForwardOutput> {
         with_decoder!(self, d => d.forward_all_positions(batch, kv))
     }
+
+    /// Gives [`Model::forward`] an LM head over the first `n` token ids only, read from `src`
+    /// (the file the model was loaded from): every other id gets -inf. For a model that only
+    /// drafts for speculative decoding, whose LM head over a large vocabulary is a large part
+    /// of its step: the drafts lose the rare tokens, the verified output nothing.
+    /// `forward_all_positions` keeps the whole head.
+    pub fn set_draft_vocab(&mut self, n: usize, src: &mut dyn WeightSource) -> Result<()> {
+        let c = self.config();
+        let (vocab, hidden) = (c.vocab_size, c.hidden_size);
+        if n == 0 || n > vocab {
+            return Err(ModelError::Device(format!(
+                "draft_vocab = {n}: the model's vocabulary has {vocab} tokens"
+            )));
+        }
+        let name = if src.contains("output.weight") {
+            "output.weight"
+        } else {
+            "token_embd.weight"
+        };
+        let rows = src.matrix(name, vocab, hidden)?.first_rows(n)?;
+        with_decoder_mut!(self, d => d.set_draft_head(rows, n))
+    }
+}
+
+impl<B: Backend> Decoder<B> {
+    /// The draft head over `rows` (the LM head's first `n`), counted in what a step streams.
+    fn set_draft_head(&mut self, rows: Weight, n: usize) -> Result<()> {
+        let bytes = rows.storage_bytes();
+        self.draft_head = Some((self.backend.linear(&[rows], &[], &[n])?, n));
+        self.streamed_bytes = self.streamed_bytes - self.lm_head_bytes + bytes;
+        self.lm_head_bytes = bytes;
+        Ok(())
+    }
 }
 
 /// The architecture, written once over a backend.
@@ -226,6 +270,9 @@ struct Decoder<B: Backend> {
     layers: Vec<DecoderLayer<B>>,
     norm: B::Norm,
     lm_head: B::Linear,
+    /// An LM head over the first `n` token ids only, for a model that only drafts
+    /// ([`Model::set_draft_vocab`]): [`Model::forward`] gives the other ids -inf.
+    draft_head: Option<(B::Linear, usize)>,
     inv_freq: Vec<f32>,
     streamed_bytes: usize,
     /// The LM head's share of `streamed_bytes`.
@@ -309,6 +356,7 @@ impl<B: Backend> Decoder<B> {
             layers,
             norm,
             lm_head,
+            draft_head: None,
             inv_freq,
             streamed_bytes,
             lm_head_bytes,
@@ -337,7 +385,7 @@ impl<B: Backend> Decoder<B> {
         let last = self
             .backend
             .select_rows(&x, &rows, self.config.hidden_size)?;
-        self.head(last, rows.len(), want_hidden)
+        self.head(last, rows.len(), want_hidden, true)
     }
 
     fn forward_all_positions(&self, batch: &[SeqInput], kv: &mut KvCache) -> Result<ForwardOutput> {
@@ -345,17 +393,38 @@ impl<B: Backend> Decoder<B> {
         let Some((x, _)) = self.trunk(batch, kv, true)? else {
             return self.empty_output(true);
         };
-        self.head(x, tokens, true)
+        self.head(x, tokens, true, false)
     }
 
     /// The final norm and the LM head over `rows` residual rows `x`.
-    fn head(&self, mut x: B::Rows, rows: usize, want_hidden: bool) -> Result<ForwardOutput> {
+    /// `draft`: through the draft head, if the model has one.
+    fn head(
+        &self,
+        mut x: B::Rows,
+        rows: usize,
+        want_hidden: bool,
+        draft: bool,
+    ) -> Result<ForwardOutput> {
         let (b, c) = (&self.backend, &self.config);
         timed(Part::AddNorm, || b.norm_in_place(&self.norm, &mut x))?;
-        let logits = timed(Part::LmHead, || b.project_one(&self.lm_head, &x, rows))?;
+        let logits = match self.draft_head.as_ref().filter(|_| draft) {
+            Some((head, n)) => {
+                let some = timed(Part::LmHead, || b.project_one(head, &x, rows))?;
+                let some = b.to_host(some)?;
+                let mut all = vec![f32::NEG_INFINITY; rows * c.vocab_size];
+                for (row, values) in all.chunks_mut(c.vocab_size).zip(some.chunks(*n)) {
+                    row[..*n].copy_from_slice(values);
+                }
+                all
+            }
+            None => {
+                let all = timed(Part::LmHead, || b.project_one(&self.lm_head, &x, rows))?;
+                b.to_host(all)?
+            }
+        };
         let host = Device::Cpu;
         Ok(ForwardOutput {
-            logits: Tensor::from_vec(b.to_host(logits)?, (rows, c.vocab_size), &host)?,
+            logits: Tensor::from_vec(logits, (rows, c.vocab_size), &host)?,
             hidden: want_hidden
                 .then(|| -> Result<Tensor> {
                     Ok(Tensor::from_vec(
@@ -411,7 +480,7 @@ impl<B: Backend> Decoder<B> {
         for (i, layer) in self.layers.iter().enumerate() {
             let next = match self.layers.get(i + 1) {
                 Some(next) => Some(&next.attn.qkv),
-                None if head => Some(&self.lm_head),
+                None if head => Some(self.draft_head.as_ref().map_or(&self.lm_head, |(h, _)| h)),
                 None => None,
             };
             let pending = ffn_out.take();

@@ -88,6 +88,19 @@ impl LoadedModel {
         Self::load_from(path, &Device::Cpu, target, Some(random))
     }
 
+    /// Drafts from the first `n` token ids only ([`Model::set_draft_vocab`]), reading that
+    /// part of the LM head again from the file the model was loaded from.
+    pub fn set_draft_vocab(&mut self, n: usize) -> Result<()> {
+        let device = Device::Cpu;
+        if self.path.is_dir() {
+            let mut src = safetensors::SafetensorsDir::open(&self.path, &device)?;
+            self.model.set_draft_vocab(n, &mut src)
+        } else {
+            let mut src = gguf::GgufFile::open(&self.path, &device)?;
+            self.model.set_draft_vocab(n, &mut src)
+        }
+    }
+
     fn load_from(
         path: &Path,
         device: &Device,

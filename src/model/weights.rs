@@ -89,6 +89,22 @@ impl Weight {
         }
     }
 
+    /// The matrix's first `rows` rows.
+    pub fn first_rows(&self, rows: usize) -> Result<Weight> {
+        Ok(match self {
+            Self::Quantized(q) => {
+                let (total, cols) = q.shape().dims2()?;
+                let data = q.data()?;
+                let per_row = data.len() / total.max(1);
+                let bytes = data[..rows.min(total) * per_row].to_vec();
+                let storage =
+                    QStorage::from_data(std::borrow::Cow::Owned(bytes), &q.device(), q.dtype())?;
+                Self::Quantized(Arc::new(QTensor::new(storage, (rows.min(total), cols))?))
+            }
+            Self::Dense(t) => Self::Dense(t.narrow(0, 0, rows.min(t.dims()[0]))?.contiguous()?),
+        })
+    }
+
     /// The matrices' rows one after another, as one matrix, where each [stacks
     /// with](Self::stacks_with) the first; `None` otherwise (or for no matrices).
     pub fn stack(parts: &[Weight]) -> Result<Option<Weight>> {

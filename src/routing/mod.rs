@@ -273,7 +273,7 @@ pub fn build(
         }
         RoutingConfig::Ensemble { weights } => Arc::new(Ensemble::new(weights.clone())),
         RoutingConfig::Bernoulli { p, seed } => Arc::new(Bernoulli::new(pair()?, *p, *seed)),
-        RoutingConfig::Speculative { draft_tokens } => {
+        RoutingConfig::Speculative { draft_tokens, .. } => {
             let pair = pair()?;
             let draft = match *draft_tokens {
                 DraftTokens::Fixed(k) => speculative::DraftLength::Fixed(k),

@@ -4,7 +4,7 @@ use super::placement::{plan_devices, DevicePlan, ModelPlacement};
 use super::*;
 use crate::actors::executor::{Attach, DeviceExecutor};
 use crate::actors::model_actor::DeviceSeat;
-use crate::config::{DeviceSpec, Role, ThresholdSource};
+use crate::config::{DeviceSpec, Role, RoutingConfig, ThresholdSource};
 use crate::kernels::parallel::{
     available_cores, install, pin_current_thread, process_cores, with_pool, ComputePool,
 };
@@ -20,17 +20,36 @@ pub fn load_models(
     config: &Config,
     backend: MatmulBackend,
 ) -> Result<Vec<Arc<LoadedModel>>, RuntimeError> {
+    // Speculative decoding may give the SLM a draft vocabulary.
+    let drafter = match config.routing {
+        RoutingConfig::Speculative {
+            draft_vocab: Some(n),
+            ..
+        } => config.role_index(Role::Slm).map(|slm| (slm, n)),
+        _ => None,
+    };
     config
         .models
         .iter()
-        .map(|m| {
+        .enumerate()
+        .map(|(i, m)| {
             let target = match m.device {
                 DeviceSpec::Cuda(n) => ComputeTarget::Cuda(n),
                 DeviceSpec::Cpu | DeviceSpec::CpuCores(_) => ComputeTarget::Cpu(backend),
             };
+            let draft_vocab = drafter.filter(|&(slm, _)| slm == i).map(|(_, n)| n);
             match &m.random {
+                Some(_) if draft_vocab.is_some() => Err(crate::model::ModelError::Device(
+                    "routing.draft_vocab reads the SLM's LM head from its file: not for random weights"
+                        .into(),
+                )),
                 Some(shape) => LoadedModel::load_random(&m.path, shape, target),
-                None => LoadedModel::load_on(&m.path, target),
+                None => LoadedModel::load_on(&m.path, target).and_then(|mut lm| {
+                    if let Some(n) = draft_vocab {
+                        lm.set_draft_vocab(n)?;
+                    }
+                    Ok(lm)
+                }),
             }
             .map(Arc::new)
             .map_err(|source| RuntimeError::Model {
