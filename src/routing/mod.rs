@@ -107,6 +107,14 @@ pub struct Speculation {
 }
 
 impl Speculation {
+    /// A verifier examined `drafted` drafts and accepted the first `accepted`.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        self.drafted += drafted as u32;
+        self.accepted += accepted as u32;
+        self.rejections += u32::from(accepted < drafted);
+        self.verifications += 1;
+    }
+
     /// The share of the drafts a verifier examined that it accepted (the drafts after a
     /// rejected one are never examined), with a prior of three accepted in four.
     pub fn acceptance(&self) -> f64 {

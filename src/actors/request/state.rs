@@ -49,11 +49,7 @@ impl RequestState {
 
     /// A verifier examined `drafted` drafts and accepted the first `accepted`.
     pub fn on_verified(&mut self, drafted: usize, accepted: usize) {
-        let s = &mut self.speculation;
-        s.drafted += drafted as u32;
-        s.accepted += accepted as u32;
-        s.rejections += u32::from(accepted < drafted);
-        s.verifications += 1;
+        self.speculation.record(drafted, accepted);
     }
 
     /// Takes one committed token: the text it makes final, and the summary when it ends the

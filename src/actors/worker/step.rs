@@ -241,11 +241,7 @@ impl ModelWorker {
             }
         };
         local.tokens.truncate(committed);
-        let s = &mut local.speculation;
-        s.drafted += k as u32;
-        s.accepted += accepted as u32;
-        s.rejections += u32::from(accepted < k);
-        s.verifications += 1;
+        local.speculation.record(k, accepted);
         let (sink, drafter) = (local.meta.sink.clone(), local.drafter);
         self.sched.rollback(id, committed + accepted);
         let event = TokenEvent::Verified {
