@@ -21,7 +21,7 @@ use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
 use super::timing::{timed, Part, PROJECTIONS};
-use super::weights::{MatmulBackend, Weight, WeightSource};
+use super::weights::{MatmulBackend, WeightSource};
 use crate::kernels::rope::inverse_frequencies;
 use load::{CountingSource, Loader};
 
@@ -47,17 +47,6 @@ enum Inner {
     Cpu(Decoder<Cpu>),
     #[cfg(feature = "cuda")]
     Cuda(Decoder<Cuda>),
-}
-
-/// `with_decoder!` with `$d` bound mutably.
-macro_rules! with_decoder_mut {
-    ($model:expr, $d:ident => $body:expr) => {
-        match &mut $model.inner {
-            Inner::Cpu($d) => $body,
-            #[cfg(feature = "cuda")]
-            Inner::Cuda($d) => $body,
-        }
-    };
 }
 
 /// `$body` with `$d` bound to the model's decoder, whatever its backend.
@@ -226,39 +215,6 @@ impl Model {
         kv: &mut KvCache,
     ) -> Result<ForwardOutput> {
         with_decoder!(self, d => d.forward_all_positions(batch, kv))
-    }
-
-    /// Gives [`Model::forward`] an LM head over the first `n` token ids only, read from `src`
-    /// (the file the model was loaded from): every other id gets -inf. For a model that only
-    /// drafts for speculative decoding, whose LM head over a large vocabulary is a large part
-    /// of its step: the drafts lose the rare tokens, the verified output nothing.
-    /// `forward_all_positions` keeps the whole head.
-    pub fn set_draft_vocab(&mut self, n: usize, src: &mut dyn WeightSource) -> Result<()> {
-        let c = self.config();
-        let (vocab, hidden) = (c.vocab_size, c.hidden_size);
-        if n == 0 || n > vocab {
-            return Err(ModelError::Device(format!(
-                "draft_vocab = {n}: the model's vocabulary has {vocab} tokens"
-            )));
-        }
-        let name = if src.contains("output.weight") {
-            "output.weight"
-        } else {
-            "token_embd.weight"
-        };
-        let rows = src.matrix(name, vocab, hidden)?.first_rows(n)?;
-        with_decoder_mut!(self, d => d.set_draft_head(rows, n))
-    }
-}
-
-impl<B: Backend> Decoder<B> {
-    /// The draft head over `rows` (the LM head's first `n`), counted in what a step streams.
-    fn set_draft_head(&mut self, rows: Weight, n: usize) -> Result<()> {
-        let bytes = rows.storage_bytes();
-        self.draft_head = Some((self.backend.linear(&[rows], &[], &[n])?, n));
-        self.streamed_bytes = self.streamed_bytes - self.lm_head_bytes + bytes;
-        self.lm_head_bytes = bytes;
-        Ok(())
     }
 }
 

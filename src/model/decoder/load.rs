@@ -3,10 +3,10 @@
 
 use candle_core::Tensor;
 
-use super::{Attention, DecoderLayer, Mlp};
+use super::{Attention, Decoder, DecoderLayer, Inner, Mlp, Model};
 use crate::model::backend::Backend;
 use crate::model::config::ModelConfig;
-use crate::model::error::Result;
+use crate::model::error::{ModelError, Result};
 use crate::model::timing::{projection_of, PROJECTIONS};
 use crate::model::weights::{Weight, WeightSource};
 
@@ -116,5 +116,44 @@ impl<B: Backend> Loader<'_, '_, B> {
                 down: self.linear(&[(&format!("{p}.ffn_down"), h)], ffn, false)?,
             },
         })
+    }
+}
+
+impl Model {
+    /// Gives [`Model::forward`] an LM head over the first `n` token ids only, read from `src`
+    /// (the file the model was loaded from): every other id gets -inf. For a model that only
+    /// drafts for speculative decoding, whose LM head over a large vocabulary is a large part
+    /// of its step: the drafts lose the rare tokens, the verified output nothing.
+    /// `forward_all_positions` keeps the whole head.
+    pub fn set_draft_vocab(&mut self, n: usize, src: &mut dyn WeightSource) -> Result<()> {
+        let c = self.config();
+        let (vocab, hidden) = (c.vocab_size, c.hidden_size);
+        if n == 0 || n > vocab {
+            return Err(ModelError::Device(format!(
+                "draft_vocab = {n}: the model's vocabulary has {vocab} tokens"
+            )));
+        }
+        let name = if src.contains("output.weight") {
+            "output.weight"
+        } else {
+            "token_embd.weight"
+        };
+        let rows = src.matrix(name, vocab, hidden)?.first_rows(n)?;
+        match &mut self.inner {
+            Inner::Cpu(d) => d.set_draft_head(rows, n),
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(d) => d.set_draft_head(rows, n),
+        }
+    }
+}
+
+impl<B: Backend> Decoder<B> {
+    /// The draft head over `rows` (the LM head's first `n`), counted in what a step streams.
+    fn set_draft_head(&mut self, rows: Weight, n: usize) -> Result<()> {
+        let bytes = rows.storage_bytes();
+        self.draft_head = Some((self.backend.linear(&[rows], &[], &[n])?, n));
+        self.streamed_bytes = self.streamed_bytes - self.lm_head_bytes + bytes;
+        self.lm_head_bytes = bytes;
+        Ok(())
     }
 }
