@@ -98,6 +98,8 @@ impl Default for ServerSettings {
 pub struct ModelEntry {
     pub name: String,
     /// GGUF file or Hugging Face directory; relative paths are resolved against the config file.
+    /// With `remote`, only the subserver reads it (and the entry may leave it out).
+    #[serde(default)]
     pub path: PathBuf,
     /// What two-model routing algorithms call this model. With exactly two models and no
     /// roles, the first is the SLM and the second the LLM.
@@ -121,6 +123,14 @@ pub struct ModelEntry {
     /// size without its file.
     #[serde(default)]
     pub random: Option<String>,
+    /// `HOST:PORT` of a subserver hosting this model (`tokenrouter subserver`): the front server
+    /// connects there instead of loading the model.
+    #[serde(default)]
+    pub remote: Option<String>,
+    /// The shared secret both ends of a `remote` link prove they hold (a file of at least 16
+    /// bytes; relative paths are resolved against the config file).
+    #[serde(default)]
+    pub secret_file: Option<PathBuf>,
 }
 
 fn default_batch_threshold() -> usize {
@@ -245,8 +255,11 @@ impl Config {
         config.validate().map_err(invalid)?;
         let base = path.parent().unwrap_or(Path::new("."));
         for m in &mut config.models {
-            if m.path.is_relative() {
+            if m.path.is_relative() && !m.path.as_os_str().is_empty() {
                 m.path = base.join(&m.path);
+            }
+            if let Some(secret) = m.secret_file.as_mut().filter(|p| p.is_relative()) {
+                *secret = base.join(&*secret);
             }
         }
         if let Some(router) = config.routing.router_path().filter(|p| p.is_relative()) {
@@ -267,6 +280,8 @@ impl Config {
                 threads: None,
                 device: DeviceSpec::default(),
                 random: None,
+                remote: None,
+                secret_file: None,
             }],
             kv_cache: KvCacheSettings::default(),
             memory: MemorySettings::default(),
@@ -305,6 +320,25 @@ impl Config {
             if let Some(shape) = &m.random {
                 crate::model::random::parse(shape)
                     .map_err(|e| format!("models[{i}].random = \"{shape}\": {e}"))?;
+            }
+            if m.path.as_os_str().is_empty() && m.remote.is_none() {
+                return Err(format!(
+                    "models[{i}] ('{}') has no path: give the model's file (or `remote`, a subserver hosting it)",
+                    m.name
+                ));
+            }
+            if let Some(remote) = &m.remote {
+                let port = remote.rsplit_once(':').map(|(_, p)| p.parse::<u16>());
+                if !matches!(port, Some(Ok(p)) if p > 0) {
+                    return Err(format!(
+                        "models[{i}].remote = \"{remote}\": expected HOST:PORT, as the subserver's --listen"
+                    ));
+                }
+                if m.secret_file.is_none() {
+                    return Err(format!(
+                        "models[{i}].remote needs secret_file: a subserver accepts only peers that prove its shared secret"
+                    ));
+                }
             }
             if m.threads == Some(0) {
                 return Err(format!(
@@ -412,6 +446,17 @@ impl Config {
 
     /// Index of the model playing `role`: the one marked so, or by position when exactly two
     /// models carry no roles.
+    /// For commands that compute every model themselves: an error naming the first remote one.
+    pub fn require_local(&self, command: &str) -> Result<(), String> {
+        match self.models.iter().find(|m| m.remote.is_some()) {
+            Some(m) => Err(format!(
+                "{command} computes every model in this process; model '{}' is remote (drop its `remote` line, keeping its path)",
+                m.name
+            )),
+            None => Ok(()),
+        }
+    }
+
     pub fn role_index(&self, role: Role) -> Option<usize> {
         if let Some(i) = self.models.iter().position(|m| m.role == Some(role)) {
             return Some(i);

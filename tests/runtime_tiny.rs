@@ -9,33 +9,12 @@ mod common;
 use std::sync::Arc;
 
 use candle_core::Device;
-use common::oracle::{greedy_entropies, quantile, routed_greedy, Rule};
-use common::runtime::{collect, config, config_on, greedy, prompts, tiny_pair, with_runtime, Pair};
+use common::oracle::routed_greedy;
+use common::runtime::{
+    collect, config, config_on, greedy, prompts, rules, tiny_pair, with_runtime,
+};
 use tokenrouter::actors::{GenerateRequest, Prompt, RequestEvent, Runtime};
 use tokenrouter::model::{LoadedModel, SamplingParams};
-
-/// Thresholds inside the models' own entropy ranges, so that routing really happens.
-fn rules(pair: &Pair) -> [(Rule, String); 2] {
-    let (mut hs, mut hl) = (Vec::new(), Vec::new());
-    for p in prompts().iter().take(2) {
-        hs.extend(greedy_entropies(&pair.models[0].model, p, 12));
-        hl.extend(greedy_entropies(&pair.models[1].model, p, 12));
-    }
-    let threshold = quantile(&hs, 0.6);
-    // `low` at most the SLM's median too, so `low <= high` whatever the random weights.
-    let high = quantile(&hs, 0.7);
-    let low = quantile(&hl, 0.5).min(quantile(&hs, 0.5));
-    [
-        (
-            Rule::Entropy { threshold },
-            format!("[routing]\nalgorithm = \"entropy\"\nthreshold = {threshold}\n"),
-        ),
-        (
-            Rule::RStitch { high, low },
-            format!("[routing]\nalgorithm = \"r-stitch\"\nhigh = {high}\nlow = {low}\n"),
-        ),
-    ]
-}
 
 #[test]
 fn routed_greedy_output_equals_the_full_recompute_oracle_in_every_mode() {

@@ -1,5 +1,6 @@
-//! What crosses between actors. The same types would travel as frames between processes; they
-//! carry no actor addresses except the request's event sink.
+//! What crosses between actors. Between processes the same messages travel as frames
+//! (`remote::protocol`); they carry no actor addresses except the request's event sink, which
+//! a link replaces by the request's id.
 
 use std::sync::Arc;
 
@@ -31,7 +32,7 @@ pub struct RequestMeta {
 }
 
 /// From a model actor to the request actor.
-#[derive(Debug, Clone, PartialEq, Message)]
+#[derive(Debug, Clone, PartialEq, Message, serde::Serialize, serde::Deserialize)]
 #[rtype(result = "()")]
 pub enum TokenEvent {
     /// `model` committed `token`.
@@ -112,6 +113,8 @@ pub enum PeerBody {
 #[rtype(result = "()")]
 pub struct PeerMessage {
     pub from: ModelIndex,
+    /// The addressee: what a link to another process forwards by.
+    pub to: ModelIndex,
     pub active_delta: i64,
     /// The sender's current estimate of its routing probability (online thresholds only).
     pub route_prob: Option<f64>,

@@ -6,6 +6,7 @@
 pub mod executor;
 pub mod messages;
 pub mod model_actor;
+pub mod remote;
 pub mod request;
 pub mod runtime;
 pub mod worker;
@@ -14,4 +15,4 @@ pub use model_actor::ModelActor;
 pub use request::{
     GenerateRequest, Prompt, RequestActor, RequestEvent, RequestHandle, RuntimeShared, Summary,
 };
-pub use runtime::{load_models, Runtime};
+pub use runtime::{load_model, load_models, run_subserver, Runtime, SubserverArgs};

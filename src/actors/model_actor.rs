@@ -34,6 +34,37 @@ pub struct ModelActor {
     waiting_since: Option<Instant>,
 }
 
+/// A model as the rest of the runtime reaches it: its actor in this process, or the stand-in
+/// for the subserver that hosts it.
+#[derive(Clone)]
+pub struct ModelAddr {
+    pub submit: Recipient<Submit>,
+    pub peer: Recipient<PeerMessage>,
+    pub abort: Recipient<Abort>,
+    pub stats: Recipient<GetStats>,
+    pub wire: Recipient<Wire>,
+}
+
+impl ModelAddr {
+    pub fn of<A>(addr: &Addr<A>) -> Self
+    where
+        A: Actor<Context = Context<A>>
+            + Handler<Submit>
+            + Handler<PeerMessage>
+            + Handler<Abort>
+            + Handler<GetStats>
+            + Handler<Wire>,
+    {
+        Self {
+            submit: addr.clone().recipient(),
+            peer: addr.clone().recipient(),
+            abort: addr.clone().recipient(),
+            stats: addr.clone().recipient(),
+            wire: addr.clone().recipient(),
+        }
+    }
+}
+
 /// Gives a model actor its peers, indexed by model (its own slot is ignored).
 #[derive(Message)]
 #[rtype(result = "()")]

@@ -56,6 +56,8 @@ pub enum ErrorKind {
     Internal,
     /// The request ran past the server's time limit.
     Timeout,
+    /// A model it needs is unavailable for now (a subserver's link is down): retry later.
+    Unavailable,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -180,7 +182,7 @@ impl RequestActor {
         }
         if self.submitted {
             for model in &self.shared.models {
-                model.do_send(Abort { id: self.id });
+                model.abort.do_send(Abort { id: self.id });
             }
         }
         self.emit(event, ctx);
@@ -242,7 +244,7 @@ impl Actor for RequestActor {
             return;
         }
         self.submitted = true;
-        self.shared.models[first].do_send(Submit {
+        self.shared.models[first].submit.do_send(Submit {
             meta,
             prompt: admitted.prompt,
         });

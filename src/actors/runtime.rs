@@ -9,11 +9,13 @@ use std::time::Duration;
 
 use actix::{Actor, Addr, Arbiter};
 
-use super::model_actor::{GetStats, ModelActor, Wire};
+use super::model_actor::{GetStats, ModelActor, ModelAddr, Wire};
+use super::remote::remote_model::RemoteModel;
 use super::request::{GenerateRequest, RequestHandle, RuntimeShared};
 use super::worker::{ModelWorker, Stepping, WorkerSetup, WorkerStats};
 use crate::config::{Config, SchedulingMode};
 use crate::model::{KvCache, LoadedModel, ModelError};
+use crate::routing::ModelIndex;
 use crate::routing::{RoutingAlgorithm, RoutingError};
 use crate::scheduler::{DelayedBatching, LaunchPolicy, PublishedPrefixes, SchedulerLimits};
 
@@ -62,12 +64,16 @@ pub fn split_kv_budget(
 /// A running runtime: the model actors and what request actors need.
 pub struct Runtime {
     shared: Arc<RuntimeShared>,
-    kv: Vec<KvShare>,
+    kv: Vec<Option<KvShare>>,
     arbiters: Vec<Arbiter>,
 }
 
 mod placement;
+mod remotes;
 mod start;
+mod subserver;
 mod threads;
-pub use start::load_models;
+use remotes::{open_remotes, Opened};
+pub use start::{load_model, load_models};
+pub use subserver::{run_subserver, SubserverArgs};
 pub use threads::thread_budget;

@@ -54,7 +54,7 @@ pub struct WorkerSetup {
 }
 
 /// Counters a model reports (for tests, logs and metrics).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct WorkerStats {
     pub name: String,
     pub total_blocks: usize,
@@ -372,6 +372,7 @@ impl ModelWorker {
             to,
             PeerMessage {
                 from: self.index,
+                to,
                 active_delta,
                 route_prob: self.online.as_ref().map(OnlineThresholds::own_p),
                 body,

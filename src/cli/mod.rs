@@ -10,6 +10,7 @@ mod gateway;
 mod generate;
 mod serve;
 mod serve_dp;
+mod subserver;
 #[cfg(feature = "train")]
 mod train_router;
 mod tune;
@@ -139,6 +140,9 @@ enum Command {
     TrainRouter(train_router::TrainRouterArgs),
     /// Token-routed serving throughput of the configured models in every scheduling mode.
     BenchRuntime(bench_runtime::BenchRuntimeArgs),
+    /// Host one model of the config for a front server in another process (its entry there
+    /// says `remote = "HOST:PORT"`).
+    Subserver(subserver::SubserverCliArgs),
 }
 
 impl Cli {
@@ -167,6 +171,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         #[cfg(feature = "profiling")]
         Command::BenchModel(args) => bench_model::run(args, kernels.backend()),
         Command::BenchRuntime(args) => bench_runtime::run(args, kernels.backend()),
+        Command::Subserver(args) => subserver::run(args, kernels.backend()),
     }
 }
 

@@ -145,6 +145,9 @@ pub fn run(
             args.config.display()
         );
     };
+    config
+        .require_local("train-router")
+        .map_err(anyhow::Error::msg)?;
     let models = load_models(&config, backend)?;
     let files = corpus_files(&args.corpus, &args.extension)?;
     let texts = chunks(

@@ -78,6 +78,7 @@ pub fn run(args: TuneArgs, backend: tokenrouter::model::MatmulBackend) -> anyhow
     if max_n == 0 || max_n > 64 {
         anyhow::bail!("--concurrency needs levels between 1 and 64");
     }
+    config.require_local("tune").map_err(anyhow::Error::msg)?;
     let models = load_models(&config, backend)?;
     let profile = match &args.profile {
         Some(path) => serde_json::from_str(&std::fs::read_to_string(path)?)

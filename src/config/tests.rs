@@ -239,3 +239,21 @@ fn random_weights_name_a_known_shape() {
     let err = load_str(&one("qwen3-8b:q3_k")).unwrap_err().to_string();
     assert!(err.contains("q3_k"), "{err}");
 }
+
+#[test]
+fn remote_models_need_an_address_and_a_secret() {
+    let slm = "[[models]]\nname = \"slm\"\npath = \"s.gguf\"\n[[models]]\nname = \"llm\"\n";
+    let config = load_str(&format!(
+        "{slm}remote = \"10.0.0.2:7100\"\nsecret_file = \"key\"\n"
+    ))
+    .unwrap();
+    let llm = config.model("llm").unwrap();
+    assert_eq!(llm.remote.as_deref(), Some("10.0.0.2:7100"));
+    assert!(llm.path.as_os_str().is_empty());
+    assert!(llm.secret_file.as_ref().unwrap().is_absolute());
+    assert!(config.require_local("tune").unwrap_err().contains("'llm'"));
+    let err = |extra: &str| load_str(&format!("{slm}{extra}")).unwrap_err().to_string();
+    assert!(err("").contains("has no path"));
+    assert!(err("remote = \"10.0.0.2:7100\"\n").contains("secret_file"));
+    assert!(err("remote = \"10.0.0.2\"\nsecret_file = \"k\"\n").contains("HOST:PORT"));
+}

@@ -89,7 +89,7 @@ pub struct BatchFeatures<'a> {
 }
 
 /// A token proposed for a position by one model, with the score it won or lost by.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Candidate {
     pub token: u32,
     pub model: ModelIndex,
@@ -98,7 +98,7 @@ pub struct Candidate {
 
 /// A request's speculative decoding so far: drafted tokens, and of those verified, how many
 /// were accepted and in how many verifications a draft was rejected.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Speculation {
     pub drafted: u32,
     pub accepted: u32,
@@ -222,7 +222,7 @@ pub enum RoutingError {
 }
 
 /// What an algorithm may know of each loaded model.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ModelFacts {
     pub hidden_size: usize,
     /// Weight bytes one decode step streams (its cost where decoding is memory-bound).

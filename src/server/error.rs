@@ -72,6 +72,7 @@ impl From<RequestError> for ApiError {
             ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         };
         // Runtime messages start with the field they name ("max_tokens: ...").
         let param = e

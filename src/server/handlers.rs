@@ -179,8 +179,9 @@ async fn server_info(state: State) -> HttpResponse {
         .zip(&state.kv)
         .map(|(m, kv)| json!({
             "name": m.name, "path": m.path, "role": m.role.map(|r| format!("{r:?}").to_lowercase()),
-            "batch_threshold": m.batch_threshold,
-            "kv_blocks": kv.blocks, "kv_tokens": kv.tokens, "kv_bytes": kv.bytes,
+            "batch_threshold": m.batch_threshold, "remote": m.remote,
+            "kv_blocks": kv.as_ref().map(|k| k.blocks), "kv_tokens": kv.as_ref().map(|k| k.tokens),
+            "kv_bytes": kv.as_ref().map(|k| k.bytes),
         }))
         .collect();
     HttpResponse::Ok().json(json!({
@@ -204,7 +205,7 @@ async fn server_info(state: State) -> HttpResponse {
 async fn metrics(state: State) -> HttpResponse {
     let mut stats = Vec::new();
     for model in &state.runtime.models {
-        stats.push(model.send(GetStats).await.unwrap_or_default());
+        stats.push(model.stats.send(GetStats).await.unwrap_or_default());
     }
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")

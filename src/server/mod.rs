@@ -49,7 +49,7 @@ pub struct AppState {
     pub runtime: Arc<RuntimeShared>,
     pub served_model: String,
     pub config: Config,
-    pub kv: Vec<KvShare>,
+    pub kv: Vec<Option<KvShare>>,
     pub metrics: Arc<Metrics>,
     pub settings: ServeSettings,
     admitted: AtomicUsize,

@@ -11,7 +11,7 @@ use tokenrouter::config::Config;
 use tokenrouter::model::tiny::write_gguf;
 use tokenrouter::model::{LoadedModel, SamplingParams};
 
-use super::oracle::OracleToken;
+use super::oracle::{greedy_entropies, quantile, OracleToken, Rule};
 
 pub struct Pair {
     pub dir: tempfile::TempDir,
@@ -120,4 +120,27 @@ pub fn with_runtime<T>(config: &Config, pair: &Pair, body: impl AsyncFnOnce(&Run
         out
     })
     .unwrap()
+}
+
+/// Thresholds inside the models' own entropy ranges, so that routing really happens.
+pub fn rules(pair: &Pair) -> [(Rule, String); 2] {
+    let (mut hs, mut hl) = (Vec::new(), Vec::new());
+    for p in prompts().iter().take(2) {
+        hs.extend(greedy_entropies(&pair.models[0].model, p, 12));
+        hl.extend(greedy_entropies(&pair.models[1].model, p, 12));
+    }
+    let threshold = quantile(&hs, 0.6);
+    // `low` at most the SLM's median too, so `low <= high` whatever the random weights.
+    let high = quantile(&hs, 0.7);
+    let low = quantile(&hl, 0.5).min(quantile(&hs, 0.5));
+    [
+        (
+            Rule::Entropy { threshold },
+            format!("[routing]\nalgorithm = \"entropy\"\nthreshold = {threshold}\n"),
+        ),
+        (
+            Rule::RStitch { high, low },
+            format!("[routing]\nalgorithm = \"r-stitch\"\nhigh = {high}\nlow = {low}\n"),
+        ),
+    ]
 }

@@ -12,7 +12,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::{
     Cancel, ErrorKind, GenerateRequest, Prompt, RequestActor, RequestError, RequestEvent, Summary,
 };
-use crate::actors::model_actor::ModelActor;
+use crate::actors::model_actor::ModelAddr;
 use crate::model::LoadedModel;
 use crate::routing::{ModelIndex, RoutingAlgorithm};
 use crate::scheduler::{PublishedPrefixes, RequestId};
@@ -20,7 +20,7 @@ use crate::scheduler::{PublishedPrefixes, RequestId};
 /// What request actors share: the model actors, the tokenizer and the routing function.
 pub struct RuntimeShared {
     pub model_names: Vec<String>,
-    pub models: Vec<Addr<ModelActor>>,
+    pub models: Vec<ModelAddr>,
     /// The model whose tokenizer and chat template requests use (all routed models share the
     /// tokenizer).
     pub lead: Arc<LoadedModel>,
@@ -29,8 +29,11 @@ pub struct RuntimeShared {
     pub router: Arc<dyn RoutingAlgorithm>,
     /// Longest sequence every model can hold (context length and KV share).
     pub max_context: usize,
-    /// Per model: false once a forward pass panicked.
+    /// Per model: false once a forward pass panicked, or while its subserver is unreachable.
     pub health: Vec<Arc<AtomicBool>>,
+    /// Per model: false while its subserver is unreachable (new requests then get
+    /// [`ErrorKind::Unavailable`]); a local model's stays true.
+    pub linked: Vec<Arc<AtomicBool>>,
     /// Per model: the prefixes its KV cache holds, as of its last step.
     pub prefixes: Vec<Arc<PublishedPrefixes>>,
     pub block_size: usize,
@@ -54,6 +57,17 @@ impl RuntimeShared {
 
     /// Tokenizes and validates, naming the field at fault.
     pub fn prepare(&self, request: &GenerateRequest) -> Result<Admitted, RequestError> {
+        if let Some(i) = self
+            .linked
+            .iter()
+            .position(|up| !up.load(Ordering::Acquire))
+        {
+            let name = &self.model_names[i];
+            return Err(RequestError {
+                kind: ErrorKind::Unavailable,
+                message: format!("model '{name}' is unavailable; retry shortly"),
+            });
+        }
         request
             .params
             .validate()

@@ -10,16 +10,28 @@ use crate::kernels::parallel::{
 };
 use crate::model::profile::{step_latencies, warm_up};
 use crate::model::{ComputeTarget, MatmulBackend};
-use crate::routing::ModelFacts;
 use crate::scheduler::{Admission, DeviceQueue};
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, MAX_TUNED_CONCURRENCY};
 
 /// Loads every configured model onto its device (`backend`: the CPU kernels of models on
 /// the CPU), naming the model in any error.
+/// (Entries with `remote` are hosted by subservers and skipped.)
 pub fn load_models(
     config: &Config,
     backend: MatmulBackend,
 ) -> Result<Vec<Arc<LoadedModel>>, RuntimeError> {
+    (0..config.models.len())
+        .filter(|&i| config.models[i].remote.is_none())
+        .map(|i| load_model(config, i, backend))
+        .collect()
+}
+
+/// Loads entry `index` of `config.models` (as [`load_models`] does each).
+pub fn load_model(
+    config: &Config,
+    index: ModelIndex,
+    backend: MatmulBackend,
+) -> Result<Arc<LoadedModel>, RuntimeError> {
     // Speculative decoding may give the SLM a draft vocabulary.
     let drafter = match config.routing {
         RoutingConfig::Speculative {
@@ -28,37 +40,31 @@ pub fn load_models(
         } => config.role_index(Role::Slm).map(|slm| (slm, n)),
         _ => None,
     };
-    config
-        .models
-        .iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let target = match m.device {
-                DeviceSpec::Cuda(n) => ComputeTarget::Cuda(n),
-                DeviceSpec::Cpu | DeviceSpec::CpuCores(_) => ComputeTarget::Cpu(backend),
-            };
-            let draft_vocab = drafter.filter(|&(slm, _)| slm == i).map(|(_, n)| n);
-            match &m.random {
-                Some(_) if draft_vocab.is_some() => Err(crate::model::ModelError::Device(
-                    "routing.draft_vocab reads the SLM's LM head from its file: not for random weights"
-                        .into(),
-                )),
-                Some(shape) => LoadedModel::load_random(&m.path, shape, target),
-                None => LoadedModel::load_on(&m.path, target).and_then(|mut lm| {
-                    if let Some(n) = draft_vocab {
-                        lm.set_draft_vocab(n)?;
-                    }
-                    Ok(lm)
-                }),
+    let m = &config.models[index];
+    let target = match m.device {
+        DeviceSpec::Cuda(n) => ComputeTarget::Cuda(n),
+        DeviceSpec::Cpu | DeviceSpec::CpuCores(_) => ComputeTarget::Cpu(backend),
+    };
+    let draft_vocab = drafter.filter(|&(slm, _)| slm == index).map(|(_, n)| n);
+    match &m.random {
+        Some(_) if draft_vocab.is_some() => Err(crate::model::ModelError::Device(
+            "routing.draft_vocab reads the SLM's LM head from its file: not for random weights"
+                .into(),
+        )),
+        Some(shape) => LoadedModel::load_random(&m.path, shape, target),
+        None => LoadedModel::load_on(&m.path, target).and_then(|mut lm| {
+            if let Some(n) = draft_vocab {
+                lm.set_draft_vocab(n)?;
             }
-            .map(Arc::new)
-            .map_err(|source| RuntimeError::Model {
-                name: m.name.clone(),
-                path: m.path.clone(),
-                error: Box::new(source),
-            })
-        })
-        .collect()
+            Ok(lm)
+        }),
+    }
+    .map(Arc::new)
+    .map_err(|source| RuntimeError::Model {
+        name: m.name.clone(),
+        path: m.path.clone(),
+        error: Box::new(source),
+    })
 }
 
 impl Runtime {
@@ -96,18 +102,14 @@ impl Runtime {
         })
     }
 
-    /// Starts one model actor per entry of `models` (in `config.models` order), routing with
-    /// the algorithm `config.routing` names.
+    /// Starts one model actor per model this process computes (`models`: the weights of the
+    /// entries of `config.models` without `remote`, in config order), connects to the
+    /// subservers hosting the others, and routes with the algorithm `config.routing` names.
     pub fn start(config: &Config, models: Vec<Arc<LoadedModel>>) -> Result<Self, RuntimeError> {
-        let facts: Vec<ModelFacts> = models
-            .iter()
-            .map(|m| ModelFacts {
-                hidden_size: m.model.config().hidden_size,
-                weight_bytes: m.model.streamed_weight_bytes(),
-            })
-            .collect();
+        let locals = locals(config, models)?;
+        let (remotes, facts) = open_remotes(config, &locals)?;
         let router = crate::routing::build(config, &facts)?;
-        Self::start_with_router(config, models, router)
+        Self::start_parts(config, locals, remotes, router)
     }
 
     /// Like [`Runtime::start`], with an algorithm of the caller's own (`config.routing` is not
@@ -117,141 +119,88 @@ impl Runtime {
         models: Vec<Arc<LoadedModel>>,
         router: Arc<dyn RoutingAlgorithm>,
     ) -> Result<Self, RuntimeError> {
+        let locals = locals(config, models)?;
+        let (remotes, _) = open_remotes(config, &locals)?;
+        Self::start_parts(config, locals, remotes, router)
+    }
+
+    fn start_parts(
+        config: &Config,
+        locals: Locals,
+        remotes: Vec<Opened>,
+        router: Arc<dyn RoutingAlgorithm>,
+    ) -> Result<Self, RuntimeError> {
+        let n = config.models.len();
         let home = router.first_model(&[]);
-        if models.len() > 1 {
-            check_same_tokenizer(config, &models)?;
-        }
-        let bytes: Vec<usize> = models
+        let Some(lead) = locals
             .iter()
-            .map(|m| KvCache::bytes_per_token(m.model.config(), config.kv_cache.dtype))
-            .collect();
-        let block_size = config.kv_cache.block_size;
-        let kv = split_kv_budget(
-            &bytes,
-            block_size,
-            (config.memory.kv_budget_mb * (1 << 20) as f64) as usize,
-        );
-        if kv[0].blocks == 0 {
+            .find(|(i, _)| *i == home)
+            .map(|(_, m)| m.clone())
+        else {
             return Err(RuntimeError::Config(format!(
-                "memory.kv_budget_mb = {} cannot hold one block of {block_size} tokens for every model; raise it",
-                config.memory.kv_budget_mb
+                "model '{}' is where requests start: it must be computed in this process, not remote",
+                config.models[home].name
             )));
+        };
+        let started = start_local(config, &locals, router.clone())?;
+        let mut addrs: Vec<Option<ModelAddr>> = vec![None; n];
+        let mut health: Vec<Arc<AtomicBool>> = vec![Arc::default(); n];
+        let mut linked: Vec<Arc<AtomicBool>> =
+            (0..n).map(|_| Arc::new(AtomicBool::new(true))).collect();
+        let mut prefixes: Vec<Arc<PublishedPrefixes>> = vec![Arc::default(); n];
+        for (k, (i, addr)) in started.addrs.iter().enumerate() {
+            addrs[*i] = Some(ModelAddr::of(addr));
+            health[*i] = started.health[k].clone();
+            prefixes[*i] = started.prefixes[k].clone();
         }
-        for (m, share) in config.models.iter().zip(&kv) {
-            tracing::info!(model = %m.name, blocks = share.blocks, tokens = share.tokens,
-                mib = share.bytes >> 20, "KV cache share");
-        }
-        let s = &config.scheduler;
-        let devices = start_devices(config, &models)?;
-        let pools: Vec<Arc<ComputePool>> = (0..models.len())
-            .map(|i| devices.of_model(i).pool.clone())
-            .collect();
-        // The first forward pass of a model pays for lazy set-up (weight repacking, page
-        // faults, thread-pool start); pay it here rather than in the first request's latency.
-        for ((entry, model), pool) in config.models.iter().zip(&models).zip(&pools) {
-            with_pool(pool, || warm_up(&model.model)).map_err(|source| RuntimeError::Model {
-                name: entry.name.clone(),
-                path: entry.path.clone(),
-                error: Box::new(source),
-            })?;
-        }
-        let profile = online_profile(config, &models, &pools)?;
-        let mut workers = Vec::new();
-        let health: Vec<_> = models
+        let mut arbiters = started.arbiters;
+        let mut max_context = started.max_len;
+        let mut vocab_size = locals
             .iter()
-            .map(|_| Arc::new(AtomicBool::new(true)))
-            .collect();
-        let prefixes: Vec<Arc<PublishedPrefixes>> = models.iter().map(|_| Arc::default()).collect();
-        for (index, (entry, model)) in config.models.iter().zip(&models).enumerate() {
-            let stepping = match s.mode {
-                SchedulingMode::Sync => Stepping::Sync,
-                SchedulingMode::Eager => Stepping::Async(LaunchPolicy::Eager),
-                SchedulingMode::Delayed => {
-                    Stepping::Async(LaunchPolicy::Delayed(DelayedBatching {
-                        threshold: entry.batch_threshold,
-                        max_wait: Duration::from_millis(s.max_wait_ms),
-                    }))
-                }
-            };
-            let setup = WorkerSetup {
-                index,
-                name: entry.name.clone(),
-                num_models: models.len(),
-                model: model.clone(),
-                router: router.clone(),
-                limits: SchedulerLimits {
-                    block_size,
-                    num_blocks: kv[index].blocks,
-                    max_batch_tokens: s.max_batch_tokens,
-                    max_batch_requests: s.max_batch_requests,
-                },
-                kv_dtype: config.kv_cache.dtype,
-                stepping,
-                healthy: health[index].clone(),
-                prefixes: prefixes[index].clone(),
-                online: profile
-                    .clone()
-                    .map(|p| OnlineThresholds::new(p, config.role_index(Role::Slm) == Some(index))),
-            };
-            let worker = ModelWorker::new(setup).map_err(|source| RuntimeError::Model {
-                name: entry.name.clone(),
-                path: entry.path.clone(),
-                error: Box::new(source),
-            })?;
-            workers.push(worker);
-        }
-        let max_context = workers.iter().map(ModelWorker::max_len).min().unwrap_or(0);
-        let mut arbiters = Vec::new();
-        let mut addrs = Vec::new();
-        for (index, worker) in workers.into_iter().enumerate() {
-            let device = devices.of_model(index);
-            let pool = device.pool.clone();
-            let pinned = device.plan.pinned.clone();
-            let seat = devices.seat(index);
+            .map(|(_, m)| m.model.config().vocab_size)
+            .min()
+            .unwrap_or(0);
+        for opened in remotes {
+            let index = opened.spec.index;
+            max_context = max_context.min(opened.spec.expected.max_len);
+            vocab_size = vocab_size.min(opened.spec.expected.vocab_size);
+            let up = Arc::new(AtomicBool::new(true));
+            health[index] = up.clone();
+            linked[index] = up.clone();
             let arbiter = Arbiter::new();
-            addrs.push(ModelActor::start_in_arbiter(&arbiter.handle(), move |_| {
-                // This runs on the actor's thread: its forward passes use its device's pool.
-                if !pinned.is_empty() {
-                    if let Err(e) = pin_current_thread(&pinned) {
-                        tracing::warn!("cannot pin a model thread to its cores: {e}");
-                    }
-                }
-                install(pool);
-                ModelActor::new(worker, seat)
-            }));
+            let (spec, stream) = (opened.spec, opened.stream);
+            let addr = RemoteModel::start_in_arbiter(&arbiter.handle(), move |_| {
+                RemoteModel::new(spec, stream, up)
+            });
+            addrs[index] = Some(ModelAddr::of(&addr));
             arbiters.push(arbiter);
         }
-        for addr in &addrs {
-            addr.do_send(Wire(addrs.iter().map(|a| a.clone().recipient()).collect()));
+        let models: Vec<ModelAddr> = addrs
+            .into_iter()
+            .map(|a| a.expect("every model is local or remote"))
+            .collect();
+        let peers: Vec<_> = models.iter().map(|m| m.peer.clone()).collect();
+        for m in &models {
+            m.wire.do_send(Wire(peers.clone()));
         }
-        for device in &devices.devices {
-            let grants = device
-                .plan
-                .models
-                .iter()
-                .map(|&i| addrs[i].clone().recipient())
-                .collect();
-            device.executor.do_send(Attach(grants));
-        }
-        arbiters.extend(devices.arbiters);
-        let lead = models[home].clone();
         let shared = RuntimeShared {
             model_names: config.models.iter().map(|m| m.name.clone()).collect(),
-            models: addrs,
+            models,
             eos: lead.special.eos.clone(),
-            lead: lead.clone(),
-            vocab_size: models
-                .iter()
-                .map(|m| m.model.config().vocab_size)
-                .min()
-                .unwrap_or(0),
+            lead,
+            vocab_size,
             router,
             max_context,
             health,
+            linked,
             prefixes,
-            block_size,
+            block_size: config.kv_cache.block_size,
             next_id: AtomicU64::new(1),
         };
+        let mut kv = vec![None; n];
+        for ((i, _), share) in locals.iter().zip(started.kv) {
+            kv[*i] = Some(share);
+        }
         Ok(Self {
             shared: Arc::new(shared),
             kv,
@@ -263,7 +212,8 @@ impl Runtime {
         &self.shared
     }
 
-    pub fn kv_shares(&self) -> &[KvShare] {
+    /// Each model's KV share, in config order (`None`: a subserver's, not this process's).
+    pub fn kv_shares(&self) -> &[Option<KvShare>] {
         &self.kv
     }
 
@@ -276,7 +226,7 @@ impl Runtime {
     pub async fn stats(&self) -> Vec<WorkerStats> {
         let mut out = Vec::new();
         for addr in &self.shared.models {
-            out.push(addr.send(GetStats).await.unwrap_or_default());
+            out.push(addr.stats.send(GetStats).await.unwrap_or_default());
         }
         out
     }
@@ -290,11 +240,173 @@ impl Runtime {
     }
 }
 
+/// The models this process computes: their config index and weights.
+pub(super) type Locals = Vec<(ModelIndex, Arc<LoadedModel>)>;
+
+/// Pairs `models` with the config's entries that are not remote.
+fn locals(config: &Config, models: Vec<Arc<LoadedModel>>) -> Result<Locals, RuntimeError> {
+    let indices: Vec<ModelIndex> = (0..config.models.len())
+        .filter(|&i| config.models[i].remote.is_none())
+        .collect();
+    if indices.len() != models.len() {
+        return Err(RuntimeError::Config(format!(
+            "{} models loaded for the {} entries of [[models]] computed in this process",
+            models.len(),
+            indices.len()
+        )));
+    }
+    Ok(indices.into_iter().zip(models).collect())
+}
+
+/// What [`start_local`] started.
+pub(super) struct Started {
+    /// Each local model's actor, by config index.
+    pub addrs: Vec<(ModelIndex, Addr<ModelActor>)>,
+    /// In the order of `addrs`.
+    pub health: Vec<Arc<AtomicBool>>,
+    pub prefixes: Vec<Arc<PublishedPrefixes>>,
+    pub kv: Vec<KvShare>,
+    /// The longest sequence every local model can hold.
+    pub max_len: usize,
+    pub arbiters: Vec<Arbiter>,
+}
+
+/// Starts the model actors of `locals` on their devices, splitting the KV budget among them.
+/// Their peers (`Wire`) are the caller's to give.
+pub(super) fn start_local(
+    config: &Config,
+    locals: &Locals,
+    router: Arc<dyn RoutingAlgorithm>,
+) -> Result<Started, RuntimeError> {
+    let models: Vec<Arc<LoadedModel>> = locals.iter().map(|(_, m)| m.clone()).collect();
+    let entry = |k: usize| &config.models[locals[k].0];
+    let model_error = |k: usize, source: ModelError| RuntimeError::Model {
+        name: entry(k).name.clone(),
+        path: entry(k).path.clone(),
+        error: Box::new(source),
+    };
+    if models.len() > 1 {
+        check_same_tokenizer(config, locals)?;
+    }
+    let bytes: Vec<usize> = models
+        .iter()
+        .map(|m| KvCache::bytes_per_token(m.model.config(), config.kv_cache.dtype))
+        .collect();
+    let block_size = config.kv_cache.block_size;
+    let kv = split_kv_budget(
+        &bytes,
+        block_size,
+        (config.memory.kv_budget_mb * (1 << 20) as f64) as usize,
+    );
+    if kv.first().is_some_and(|k| k.blocks == 0) {
+        return Err(RuntimeError::Config(format!(
+            "memory.kv_budget_mb = {} cannot hold one block of {block_size} tokens for every model; raise it",
+            config.memory.kv_budget_mb
+        )));
+    }
+    for (k, share) in kv.iter().enumerate() {
+        tracing::info!(model = %entry(k).name, blocks = share.blocks, tokens = share.tokens,
+            mib = share.bytes >> 20, "KV cache share");
+    }
+    let s = &config.scheduler;
+    let devices = start_devices(config, locals)?;
+    let pools: Vec<Arc<ComputePool>> = (0..models.len())
+        .map(|k| devices.of_model(locals[k].0).pool.clone())
+        .collect();
+    // The first forward pass of a model pays for lazy set-up (weight repacking, page
+    // faults, thread-pool start); pay it here rather than in the first request's latency.
+    for (k, (model, pool)) in models.iter().zip(&pools).enumerate() {
+        with_pool(pool, || warm_up(&model.model)).map_err(|e| model_error(k, e))?;
+    }
+    let profile = online_profile(config, locals, &pools)?;
+    let health: Vec<_> = models
+        .iter()
+        .map(|_| Arc::new(AtomicBool::new(true)))
+        .collect();
+    let prefixes: Vec<Arc<PublishedPrefixes>> = models.iter().map(|_| Arc::default()).collect();
+    let mut workers = Vec::new();
+    for (k, (index, model)) in locals.iter().enumerate() {
+        let entry = entry(k);
+        let stepping = match s.mode {
+            SchedulingMode::Sync => Stepping::Sync,
+            SchedulingMode::Eager => Stepping::Async(LaunchPolicy::Eager),
+            SchedulingMode::Delayed => Stepping::Async(LaunchPolicy::Delayed(DelayedBatching {
+                threshold: entry.batch_threshold,
+                max_wait: Duration::from_millis(s.max_wait_ms),
+            })),
+        };
+        let setup = WorkerSetup {
+            index: *index,
+            name: entry.name.clone(),
+            num_models: config.models.len(),
+            model: model.clone(),
+            router: router.clone(),
+            limits: SchedulerLimits {
+                block_size,
+                num_blocks: kv[k].blocks,
+                max_batch_tokens: s.max_batch_tokens,
+                max_batch_requests: s.max_batch_requests,
+            },
+            kv_dtype: config.kv_cache.dtype,
+            stepping,
+            healthy: health[k].clone(),
+            prefixes: prefixes[k].clone(),
+            online: profile
+                .clone()
+                .map(|p| OnlineThresholds::new(p, config.role_index(Role::Slm) == Some(*index))),
+        };
+        workers.push(ModelWorker::new(setup).map_err(|e| model_error(k, e))?);
+    }
+    let max_len = workers.iter().map(ModelWorker::max_len).min().unwrap_or(0);
+    let mut arbiters = Vec::new();
+    let mut addrs = Vec::new();
+    for (worker, (index, _)) in workers.into_iter().zip(locals) {
+        let device = devices.of_model(*index);
+        let pool = device.pool.clone();
+        let pinned = device.plan.pinned.clone();
+        let seat = devices.seat(*index);
+        let arbiter = Arbiter::new();
+        let addr = ModelActor::start_in_arbiter(&arbiter.handle(), move |_| {
+            // This runs on the actor's thread: its forward passes use its device's pool.
+            if !pinned.is_empty() {
+                if let Err(e) = pin_current_thread(&pinned) {
+                    tracing::warn!("cannot pin a model thread to its cores: {e}");
+                }
+            }
+            install(pool);
+            ModelActor::new(worker, seat)
+        });
+        addrs.push((*index, addr));
+        arbiters.push(arbiter);
+    }
+    for device in &devices.devices {
+        let grants = device
+            .plan
+            .models
+            .iter()
+            .map(|&i| {
+                let (_, addr) = addrs.iter().find(|(j, _)| *j == i).expect("placed");
+                addr.clone().recipient()
+            })
+            .collect();
+        device.executor.do_send(Attach(grants));
+    }
+    arbiters.extend(devices.arbiters);
+    Ok(Started {
+        addrs,
+        health,
+        prefixes,
+        kv,
+        max_len,
+        arbiters,
+    })
+}
+
 /// The started devices: each one's plan, compute pool and executor.
 struct Devices {
     devices: Vec<StartedDevice>,
-    /// Device of each model, by index.
-    device_of: Vec<usize>,
+    /// Device of each model, by config index (`None`: not computed here).
+    device_of: Vec<Option<usize>>,
     arbiters: Vec<Arbiter>,
 }
 
@@ -306,7 +418,7 @@ struct StartedDevice {
 
 impl Devices {
     fn of_model(&self, index: usize) -> &StartedDevice {
-        &self.devices[self.device_of[index]]
+        &self.devices[self.device_of[index].expect("a local model")]
     }
 
     /// Model `index`'s seat at its device's executor.
@@ -323,14 +435,12 @@ impl Devices {
 
 /// Places the models on devices and starts each device's compute pool and executor; the
 /// placement is logged.
-fn start_devices(config: &Config, models: &[Arc<LoadedModel>]) -> Result<Devices, RuntimeError> {
-    let placements: Vec<ModelPlacement> = config
-        .models
+fn start_devices(config: &Config, locals: &Locals) -> Result<Devices, RuntimeError> {
+    let placements: Vec<ModelPlacement> = locals
         .iter()
-        .zip(models)
-        .map(|(m, model)| ModelPlacement {
-            device: m.device.clone(),
-            threads: m.threads,
+        .map(|(i, model)| ModelPlacement {
+            device: config.models[*i].device.clone(),
+            threads: config.models[*i].threads,
             weight_bytes: model.model.streamed_weight_bytes(),
         })
         .collect();
@@ -340,9 +450,16 @@ fn start_devices(config: &Config, models: &[Arc<LoadedModel>]) -> Result<Devices
         available_cores(),
         config.compute.split,
     )
-    .map_err(RuntimeError::Config)?;
+    .map_err(RuntimeError::Config)?
+    .into_iter()
+    .map(|mut plan| {
+        // Placement numbers the models it was given; the runtime, by config index.
+        plan.models = plan.models.iter().map(|&k| locals[k].0).collect();
+        plan
+    });
     let s = &config.scheduler;
-    let mut device_of = vec![0; models.len()];
+    let model_of = |i: ModelIndex| &locals.iter().find(|(j, _)| *j == i).expect("local").1;
+    let mut device_of = vec![None; config.models.len()];
     let mut devices = Vec::new();
     let mut arbiters = Vec::new();
     for (d, plan) in plans.into_iter().enumerate() {
@@ -354,7 +471,7 @@ fn start_devices(config: &Config, models: &[Arc<LoadedModel>]) -> Result<Devices
         let kernels = plan
             .models
             .first()
-            .map(|&i| models[i].model.describe_device());
+            .map(|&i| model_of(i).model.describe_device());
         tracing::info!(device = %plan.spec, threads = plan.threads, models = ?names, ?kernels,
             "device");
         let settings: Vec<(usize, Duration)> = plan
@@ -369,7 +486,7 @@ fn start_devices(config: &Config, models: &[Arc<LoadedModel>]) -> Result<Devices
             })
             .collect();
         for &i in &plan.models {
-            device_of[i] = d;
+            device_of[i] = Some(d);
         }
         let pool = ComputePool::pinned(plan.threads, &format!("compute{d}"), &plan.pinned);
         let arbiter = Arbiter::new();
@@ -400,9 +517,10 @@ fn start_devices(config: &Config, models: &[Arc<LoadedModel>]) -> Result<Devices
 }
 
 /// With `thresholds = "auto"`: the step latencies of the SLM and the LLM, measured now.
+/// `pools` are the local models'.
 fn online_profile(
     config: &Config,
-    models: &[Arc<LoadedModel>],
+    locals: &Locals,
     pools: &[Arc<ComputePool>],
 ) -> Result<Option<Arc<LatencyProfile>>, RuntimeError> {
     if config.scheduler.thresholds != ThresholdSource::Auto {
@@ -414,10 +532,20 @@ fn online_profile(
             "thresholds = \"auto\" needs an SLM and an LLM".into(),
         ));
     };
-    let measure = |i: usize| {
-        with_pool(&pools[i], || {
+    let local = |i: ModelIndex| {
+        locals.iter().position(|(j, _)| *j == i).ok_or_else(|| {
+            RuntimeError::Config(format!(
+                "thresholds = \"auto\" measures both models in this process; '{}' is remote",
+                config.models[i].name
+            ))
+        })
+    };
+    let (slm, llm) = (local(slm)?, local(llm)?);
+    let measure = |k: usize| {
+        let i = locals[k].0;
+        with_pool(&pools[k], || {
             step_latencies(
-                &models[i].model,
+                &locals[k].1.model,
                 MAX_TUNED_CONCURRENCY,
                 config.kv_cache.dtype,
             )
@@ -432,20 +560,22 @@ fn online_profile(
         slm: measure(slm)?,
         llm: measure(llm)?,
         // Models on one CPU device take turns on it; on one GPU each has a stream of its own.
-        shared_compute: Arc::ptr_eq(&pools[slm], &pools[llm]) && config.models[slm].device.is_cpu(),
+        shared_compute: Arc::ptr_eq(&pools[slm], &pools[llm])
+            && config.models[locals[slm].0].device.is_cpu(),
     };
     tracing::info!(?profile, "step latencies for online thresholds");
     Ok(Some(Arc::new(profile)))
 }
 
 /// Token routing passes token ids between models: their vocabularies must be identical.
-fn check_same_tokenizer(config: &Config, models: &[Arc<LoadedModel>]) -> Result<(), RuntimeError> {
-    let first = models[0].tokenizer.get_vocab(true);
-    for (entry, model) in config.models.iter().zip(models).skip(1) {
-        if model.tokenizer.get_vocab(true) != first {
+fn check_same_tokenizer(config: &Config, locals: &Locals) -> Result<(), RuntimeError> {
+    let (first, model) = &locals[0];
+    let vocab = model.tokenizer.get_vocab(true);
+    for (i, model) in &locals[1..] {
+        if model.tokenizer.get_vocab(true) != vocab {
             return Err(RuntimeError::Config(format!(
                 "models '{}' and '{}' have different tokenizers, so tokens cannot be routed between them; pair models of one family (or use routing.algorithm = \"single\")",
-                config.models[0].name, entry.name
+                config.models[*first].name, config.models[*i].name
             )));
         }
     }

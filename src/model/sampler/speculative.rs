@@ -93,7 +93,7 @@ impl Sampler {
 
 /// A next-token distribution: the tokens that may be drawn, with their probabilities, by
 /// increasing token id.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Distribution {
     entries: Vec<(u32, f32)>,
 }

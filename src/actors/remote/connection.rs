@@ -1,0 +1,109 @@
+//! One open link's input and output, as two tasks on the owning actor's arbiter: frames read
+//! go to the actor in order; frames sent are written in batches, everything queued since the
+//! last write going out in one flush (a step's tokens and handoffs leave together).
+
+use std::time::{Duration, Instant};
+
+use actix::{Message, Recipient};
+use futures_util::{SinkExt, StreamExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio::task::JoinHandle;
+use tokio_util::codec::Framed;
+
+use super::protocol::{Codec, Frame};
+
+/// How often a quiet side says it is alive.
+pub const HEARTBEAT: Duration = Duration::from_millis(500);
+/// Silence after which a link counts as lost (a peer whose host vanished closes nothing).
+pub const LINK_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A frame read from link `generation`, or why that link ended.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Incoming {
+    pub generation: u64,
+    pub frame: Result<Frame, String>,
+}
+
+pub struct Connection {
+    out: UnboundedSender<Frame>,
+    tasks: [JoinHandle<()>; 2],
+    pub generation: u64,
+    pub last_heard: Instant,
+    pub peer: String,
+}
+
+impl Connection {
+    /// Starts reading and writing `link` (on the current arbiter); what is read, and the
+    /// link's end, go to `to` tagged with `generation`.
+    pub fn open(
+        link: Framed<TcpStream, Codec<Frame>>,
+        generation: u64,
+        to: Recipient<Incoming>,
+    ) -> Self {
+        let peer = link
+            .get_ref()
+            .peer_addr()
+            .map_or_else(|_| "?".into(), |a| a.to_string());
+        let (mut sink, mut stream) = link.split();
+        let reader_to = to.clone();
+        let reader = actix::spawn(async move {
+            let end = loop {
+                match stream.next().await {
+                    Some(Ok(frame)) => reader_to.do_send(Incoming {
+                        generation,
+                        frame: Ok(frame),
+                    }),
+                    Some(Err(e)) => break e.to_string(),
+                    None => break "the peer closed the connection".into(),
+                }
+            };
+            reader_to.do_send(Incoming {
+                generation,
+                frame: Err(end),
+            });
+        });
+        let (out, mut queued) = unbounded_channel();
+        let writer = actix::spawn(async move {
+            while let Some(frame) = queued.recv().await {
+                let mut batch = sink.feed(frame).await;
+                while let (Ok(()), Ok(frame)) = (&batch, queued.try_recv()) {
+                    batch = sink.feed(frame).await;
+                }
+                if let Err(e) = batch.and(sink.flush().await) {
+                    to.do_send(Incoming {
+                        generation,
+                        frame: Err(format!("writing: {e}")),
+                    });
+                    return;
+                }
+            }
+        });
+        Self {
+            out,
+            tasks: [reader, writer],
+            generation,
+            last_heard: Instant::now(),
+            peer,
+        }
+    }
+
+    pub fn send(&self, frame: Frame) {
+        // A writer that stopped has reported why; the frame has nowhere to go.
+        let _ = self.out.send(frame);
+    }
+
+    /// Whether the peer has been silent too long.
+    pub fn silent(&self) -> bool {
+        self.last_heard.elapsed() > LINK_TIMEOUT
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! A subserver's side of its link to the front server: it delivers the front's frames to the
+//! hosted model's actor, as the front's model actors and request actors would send them in
+//! one process, and sends back what that actor emits (its peer messages, and each request's
+//! token events in place of the request's sink). The session (the model actor, its KV cache
+//! and its device) lives as long as the link: when the link ends it stops, so nothing it held
+//! outlives the front that asked for it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use actix::{
+    Actor, ActorContext, ActorFutureExt, Addr, Arbiter, AsyncContext, Context, Handler, Message,
+    Recipient, WrapFuture,
+};
+use tokio::net::TcpStream;
+use tokio_util::codec::Framed;
+
+use super::connection::{Connection, Incoming, HEARTBEAT};
+use super::protocol::{Bounds, Codec, Frame, WirePeer};
+use crate::actors::messages::{Abort, EventSink, PeerMessage, Submit, TokenEvent};
+use crate::actors::model_actor::{GetStats, ModelActor};
+use crate::routing::ModelIndex;
+use crate::scheduler::RequestId;
+
+/// A token event of a request the front owns.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Emit {
+    pub id: RequestId,
+    pub event: TokenEvent,
+}
+
+/// A request's sink on a subserver: its events go back over the link.
+struct LinkSink {
+    id: RequestId,
+    front: Recipient<Emit>,
+}
+
+impl EventSink for LinkSink {
+    fn send(&self, event: TokenEvent) -> bool {
+        self.front.connected() && {
+            self.front.do_send(Emit { id: self.id, event });
+            true
+        }
+    }
+}
+
+/// The hosted model's session, as the link owns it.
+pub struct Session {
+    pub index: ModelIndex,
+    pub model: Addr<ModelActor>,
+    pub bounds: Bounds,
+    /// The model actor's and its device's threads, stopped with the link.
+    pub arbiters: Vec<Arbiter>,
+    /// Cleared when the session ends, so that another front may connect.
+    pub busy: Arc<AtomicBool>,
+}
+
+pub struct FrontLink {
+    session: Session,
+    link: Option<Connection>,
+    opened: Option<Framed<TcpStream, Codec<Frame>>>,
+}
+
+impl FrontLink {
+    pub fn new(session: Session, link: Framed<TcpStream, Codec<Frame>>) -> Self {
+        Self {
+            session,
+            link: None,
+            opened: Some(link),
+        }
+    }
+
+    fn close(&mut self, reason: &str, ctx: &mut Context<Self>) {
+        if let Some(link) = self.link.take() {
+            tracing::warn!(front = %link.peer, "link to the front server closed: {reason}");
+        }
+        ctx.stop();
+    }
+
+    fn sink(&self, id: RequestId, ctx: &Context<Self>) -> Arc<dyn EventSink> {
+        Arc::new(LinkSink {
+            id,
+            front: ctx.address().recipient(),
+        })
+    }
+
+    fn deliver(&mut self, frame: Frame, ctx: &mut Context<Self>) {
+        if let Err(e) = frame.validate(self.session.bounds) {
+            return self.close(&format!("malformed frame: {e}"), ctx);
+        }
+        let model = &self.session.model;
+        match frame {
+            Frame::Submit { meta, prompt } => {
+                let sink = self.sink(meta.id, ctx);
+                model.do_send(Submit {
+                    meta: Arc::new(meta.with_sink(sink)),
+                    prompt,
+                });
+            }
+            Frame::Peer(p) if p.to == self.session.index => {
+                let msg = p.into_message(|m| {
+                    let sink = self.sink(m.id, ctx);
+                    Some(Arc::new(m.with_sink(sink)))
+                });
+                self.session.model.do_send(msg);
+            }
+            Frame::Peer(p) => self.close(
+                &format!("a message for model {}, which is not hosted here", p.to),
+                ctx,
+            ),
+            Frame::Abort(id) => model.do_send(Abort { id }),
+            Frame::StatsRequest(seq) => {
+                let asked = model.send(GetStats);
+                ctx.spawn(asked.into_actor(self).map(move |stats, act, _| {
+                    if let Some(link) = &act.link {
+                        link.send(Frame::Stats(seq, stats.unwrap_or_default()));
+                    }
+                }));
+            }
+            Frame::Heartbeat => {}
+            Frame::Event { .. } | Frame::Stats(..) => {
+                self.close("the front sent a frame only a subserver sends", ctx)
+            }
+        }
+    }
+}
+
+impl Actor for FrontLink {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        let link = self.opened.take().expect("opened once");
+        let link = Connection::open(link, 1, ctx.address().recipient());
+        tracing::info!(front = %link.peer, "serving a front server");
+        self.link = Some(link);
+        ctx.run_interval(HEARTBEAT, |act, ctx| match &act.link {
+            Some(link) if link.silent() => act.close("no frame for 3 s", ctx),
+            Some(link) => link.send(Frame::Heartbeat),
+            None => {}
+        });
+    }
+
+    fn stopped(&mut self, _: &mut Context<Self>) {
+        self.link = None;
+        for arbiter in self.session.arbiters.drain(..) {
+            arbiter.stop();
+            let _ = arbiter.join();
+        }
+        self.session.busy.store(false, Ordering::Release);
+        tracing::info!(
+            "session ended: its requests and KV cache are dropped; waiting for a front server"
+        );
+    }
+}
+
+impl Handler<Incoming> for FrontLink {
+    type Result = ();
+    fn handle(&mut self, msg: Incoming, ctx: &mut Context<Self>) {
+        match msg.frame {
+            Ok(frame) => {
+                if let Some(link) = self.link.as_mut() {
+                    link.last_heard = std::time::Instant::now();
+                }
+                self.deliver(frame, ctx);
+            }
+            Err(reason) => self.close(&reason, ctx),
+        }
+    }
+}
+
+impl Handler<PeerMessage> for FrontLink {
+    type Result = ();
+    fn handle(&mut self, msg: PeerMessage, _: &mut Context<Self>) {
+        if let Some(link) = &self.link {
+            link.send(Frame::Peer(WirePeer::of(msg)));
+        }
+    }
+}
+
+impl Handler<Emit> for FrontLink {
+    type Result = ();
+    fn handle(&mut self, msg: Emit, _: &mut Context<Self>) {
+        if let Some(link) = &self.link {
+            link.send(Frame::Event {
+                id: msg.id,
+                event: msg.event,
+            });
+        }
+    }
+}

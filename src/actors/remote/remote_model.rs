@@ -1,0 +1,288 @@
+//! The front server's stand-in for a model hosted by a subserver: it takes the messages a
+//! model actor takes and sends them as frames, and delivers what comes back (token events to
+//! request actors, handoffs and counters to this side's models). It remembers every request it
+//! carried until that request's abort, so that when the link is lost each of them fails at
+//! once with an error naming the model; it then reconnects with backoff, and new requests fail
+//! until it is back.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::{
+    Actor, ActorFutureExt, AsyncContext, Context, Handler, Recipient, ResponseFuture, WrapFuture,
+};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio_util::codec::Framed;
+
+use super::connection::{Connection, Incoming, HEARTBEAT};
+use super::handshake::{dial, Hello, RemoteFacts, Secret};
+use super::protocol::{Bounds, Codec, Frame, WirePeer};
+use crate::actors::messages::{Abort, PeerBody, PeerMessage, RequestMeta, Submit, TokenEvent};
+use crate::actors::model_actor::{GetStats, Wire};
+use crate::actors::worker::WorkerStats;
+use crate::routing::{ModelFacts, ModelIndex};
+use crate::scheduler::RequestId;
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// How long a counters request waits for the subserver's answer.
+const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What the front needs to open (and reopen) the link to one subserver.
+pub struct RemoteSpec {
+    pub index: ModelIndex,
+    pub name: String,
+    pub addr: String,
+    pub secret: Arc<Secret>,
+    pub hello: Hello,
+    /// Every model's facts, as the handshake's last message gives them.
+    pub facts: Vec<ModelFacts>,
+    /// The subserver's model, as first seen: a subserver that comes back with another is
+    /// not taken.
+    pub expected: RemoteFacts,
+    pub bounds: Bounds,
+}
+
+pub struct RemoteModel {
+    spec: Arc<RemoteSpec>,
+    health: Arc<AtomicBool>,
+    peers: Vec<Option<Recipient<PeerMessage>>>,
+    /// Requests sent to the subserver and not aborted yet, with their event sinks.
+    requests: HashMap<RequestId, Arc<RequestMeta>>,
+    link: Option<Connection>,
+    /// The first link, opened while the runtime started.
+    opened: Option<std::net::TcpStream>,
+    generation: u64,
+    stats: HashMap<u64, oneshot::Sender<WorkerStats>>,
+    next_stats: u64,
+    backoff: Duration,
+}
+
+impl RemoteModel {
+    /// `opened`: the link the runtime opened (handshake done, blocking mode off).
+    pub fn new(spec: RemoteSpec, opened: std::net::TcpStream, health: Arc<AtomicBool>) -> Self {
+        Self {
+            spec: Arc::new(spec),
+            health,
+            peers: Vec::new(),
+            requests: HashMap::new(),
+            link: None,
+            opened: Some(opened),
+            generation: 0,
+            stats: HashMap::new(),
+            next_stats: 0,
+            backoff: FIRST_BACKOFF,
+        }
+    }
+
+    fn attach(&mut self, link: Framed<TcpStream, Codec<Frame>>, ctx: &mut Context<Self>) {
+        self.generation += 1;
+        self.link = Some(Connection::open(
+            link,
+            self.generation,
+            ctx.address().recipient(),
+        ));
+        self.health.store(true, Ordering::Release);
+        self.backoff = FIRST_BACKOFF;
+    }
+
+    fn unavailable(&self, why: &str) -> TokenEvent {
+        TokenEvent::Failed {
+            message: format!(
+                "model '{}' is unavailable: {why} (its subserver at {})",
+                self.spec.name, self.spec.addr
+            ),
+        }
+    }
+
+    /// The link failed: every request it carried fails, and reconnecting starts.
+    fn lost(&mut self, reason: &str, ctx: &mut Context<Self>) {
+        if self.link.take().is_none() {
+            return;
+        }
+        self.health.store(false, Ordering::Release);
+        tracing::error!(model = %self.spec.name, addr = %self.spec.addr, requests = self.requests.len(),
+            "link to the subserver lost: {reason}");
+        let event = self.unavailable(&format!("the link was lost: {reason}"));
+        for (_, meta) in self.requests.drain() {
+            meta.sink.send(event.clone());
+        }
+        self.stats.clear();
+        self.reconnect(ctx);
+    }
+
+    fn reconnect(&mut self, ctx: &mut Context<Self>) {
+        let delay = self.backoff;
+        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        let spec = self.spec.clone();
+        ctx.run_later(delay, move |act, ctx| {
+            let opening = async move {
+                let greeted = dial(&spec.addr, &spec.secret, &spec.hello)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if greeted.facts != spec.expected {
+                    return Err(format!(
+                        "it now hosts a different model ({:?}, expected {:?})",
+                        greeted.facts, spec.expected
+                    ));
+                }
+                greeted
+                    .start(spec.facts.clone())
+                    .await
+                    .map_err(|e| e.to_string())
+            };
+            ctx.spawn(opening.into_actor(act).map(
+                |opened, act: &mut Self, ctx| match opened {
+                    Ok(link) => {
+                        tracing::info!(model = %act.spec.name, addr = %act.spec.addr, "link to the subserver open again");
+                        act.attach(link, ctx);
+                    }
+                    Err(e) => {
+                        tracing::warn!(model = %act.spec.name, addr = %act.spec.addr, "reconnecting failed: {e}");
+                        act.reconnect(ctx);
+                    }
+                },
+            ));
+        });
+    }
+
+    fn deliver(&mut self, frame: Frame, ctx: &mut Context<Self>) {
+        if let Err(e) = frame.validate(self.spec.bounds) {
+            return self.lost(&format!("malformed frame: {e}"), ctx);
+        }
+        match frame {
+            Frame::Event { id, event } => {
+                if let Some(meta) = self.requests.get(&id) {
+                    meta.sink.send(event);
+                }
+            }
+            Frame::Peer(p) => {
+                let to = p.to;
+                let requests = &self.requests;
+                let msg = p.into_message(|w| requests.get(&w.id).cloned());
+                if let Some(Some(peer)) = self.peers.get(to).filter(|_| to != self.spec.index) {
+                    peer.do_send(msg);
+                }
+            }
+            Frame::Stats(seq, stats) => {
+                if let Some(reply) = self.stats.remove(&seq) {
+                    let _ = reply.send(stats);
+                }
+            }
+            Frame::Heartbeat => {}
+            Frame::Submit { .. } | Frame::Abort(_) | Frame::StatsRequest(_) => {
+                self.lost("the subserver sent a frame only a front sends", ctx)
+            }
+        }
+    }
+}
+
+impl Actor for RemoteModel {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        let opened = self.opened.take().and_then(|s| TcpStream::from_std(s).ok());
+        match opened {
+            Some(stream) => self.attach(Framed::new(stream, Codec::default()), ctx),
+            None => self.reconnect(ctx),
+        }
+        ctx.run_interval(HEARTBEAT, |act, ctx| match &act.link {
+            Some(link) if link.silent() => act.lost("no frame for 3 s", ctx),
+            Some(link) => link.send(Frame::Heartbeat),
+            None => {}
+        });
+    }
+}
+
+impl Handler<Wire> for RemoteModel {
+    type Result = ();
+    fn handle(&mut self, msg: Wire, _: &mut Context<Self>) {
+        self.peers = msg.0.into_iter().map(Some).collect();
+    }
+}
+
+impl Handler<Incoming> for RemoteModel {
+    type Result = ();
+    fn handle(&mut self, msg: Incoming, ctx: &mut Context<Self>) {
+        if self.link.as_ref().map(|l| l.generation) != Some(msg.generation) {
+            return;
+        }
+        match msg.frame {
+            Ok(frame) => {
+                if let Some(link) = self.link.as_mut() {
+                    link.last_heard = std::time::Instant::now();
+                }
+                self.deliver(frame, ctx);
+            }
+            Err(reason) => self.lost(&reason, ctx),
+        }
+    }
+}
+
+impl Handler<Submit> for RemoteModel {
+    type Result = ();
+    fn handle(&mut self, msg: Submit, _: &mut Context<Self>) {
+        let Some(link) = &self.link else {
+            msg.meta.sink.send(self.unavailable("not connected"));
+            return;
+        };
+        link.send(msg.to_frame());
+        self.requests.insert(msg.meta.id, msg.meta);
+    }
+}
+
+impl Handler<PeerMessage> for RemoteModel {
+    type Result = ();
+    fn handle(&mut self, msg: PeerMessage, _: &mut Context<Self>) {
+        let meta = match &msg.body {
+            PeerBody::Handoff(h) => Some(h.meta.clone()),
+            PeerBody::RoundDone(_) | PeerBody::Counters => None,
+        };
+        let Some(link) = &self.link else {
+            if let Some(meta) = meta {
+                meta.sink.send(self.unavailable("not connected"));
+            }
+            return;
+        };
+        link.send(Frame::Peer(WirePeer::of(msg)));
+        if let Some(meta) = meta {
+            self.requests.insert(meta.id, meta);
+        }
+    }
+}
+
+impl Handler<Abort> for RemoteModel {
+    type Result = ();
+    fn handle(&mut self, msg: Abort, _: &mut Context<Self>) {
+        self.requests.remove(&msg.id);
+        if let Some(link) = &self.link {
+            link.send(Frame::Abort(msg.id));
+        }
+    }
+}
+
+impl Handler<GetStats> for RemoteModel {
+    type Result = ResponseFuture<WorkerStats>;
+    fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
+        let unknown = WorkerStats {
+            name: self.spec.name.clone(),
+            ..WorkerStats::default()
+        };
+        let Some(link) = &self.link else {
+            return Box::pin(async move { unknown });
+        };
+        let (reply, answer) = oneshot::channel();
+        self.next_stats += 1;
+        self.stats.insert(self.next_stats, reply);
+        link.send(Frame::StatsRequest(self.next_stats));
+        Box::pin(async move {
+            match tokio::time::timeout(STATS_TIMEOUT, answer).await {
+                Ok(Ok(stats)) => stats,
+                _ => unknown,
+            }
+        })
+    }
+}

@@ -1,0 +1,202 @@
+//! A subserver: one model of a config, hosted for a front server in another process. It loads
+//! the model once, listens, and serves one front at a time: a front that passes the handshake
+//! gets a session (the model actor, its KV cache and its device, started as the runtime starts
+//! a local model), which ends with the link. A front that comes back (or another one) gets a
+//! new session, so a restarted front never finds state left by the old one.
+
+use std::cell::Cell;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+
+use actix::{AsyncContext, Context};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::remotes::facts_of;
+use super::start::{load_model, start_local};
+use super::*;
+use crate::actors::remote::front_link::{FrontLink, Session};
+use crate::actors::remote::handshake::{
+    accept, settings, vocab_digest, Accepted, Hello, RemoteFacts, Secret,
+};
+use crate::actors::remote::protocol::Bounds;
+use crate::model::MatmulBackend;
+
+/// How a subserver is started.
+pub struct SubserverArgs {
+    /// The model it hosts, by name.
+    pub model: String,
+    /// `HOST:PORT` to listen on (port 0: any free port; the one chosen is printed).
+    pub listen: String,
+    pub secret_file: PathBuf,
+}
+
+/// What every connection is checked against and served with.
+struct Host {
+    config: Config,
+    index: ModelIndex,
+    model: Arc<LoadedModel>,
+    secret: Secret,
+    welcome: RemoteFacts,
+    vocab: [u8; 32],
+    settings: String,
+    bounds: Bounds,
+    busy: Arc<AtomicBool>,
+}
+
+/// Loads the model and serves front servers until the process ends. Prints
+/// `subserver 'NAME' listening on ADDR` once it accepts connections.
+pub fn run_subserver(
+    config: Config,
+    args: SubserverArgs,
+    backend: MatmulBackend,
+) -> Result<(), RuntimeError> {
+    let names: Vec<&str> = config.models.iter().map(|m| m.name.as_str()).collect();
+    let index = names.iter().position(|&n| n == args.model).ok_or_else(|| {
+        RuntimeError::Config(format!(
+            "--model {}: the config has no such model (it has {})",
+            args.model,
+            names.join(", ")
+        ))
+    })?;
+    if config.models[index].path.as_os_str().is_empty() {
+        return Err(RuntimeError::Config(format!(
+            "models[{index}] ('{}') has no path: the subserver loads the model from its file",
+            args.model
+        )));
+    }
+    let secret = Secret::read(&args.secret_file).map_err(RuntimeError::Config)?;
+    let model = load_model(&config, index, backend)?;
+    let share = split_kv_budget(
+        &[KvCache::bytes_per_token(
+            model.model.config(),
+            config.kv_cache.dtype,
+        )],
+        config.kv_cache.block_size,
+        (config.memory.kv_budget_mb * (1 << 20) as f64) as usize,
+    )
+    .remove(0);
+    let context = model.model.config().context_length;
+    let welcome = RemoteFacts {
+        facts: facts_of(&model),
+        vocab_size: model.model.config().vocab_size,
+        max_len: context.min(share.tokens),
+    };
+    let host = Arc::new(Host {
+        index,
+        vocab: vocab_digest(&model.tokenizer),
+        settings: settings(&config),
+        bounds: Bounds {
+            num_models: config.models.len(),
+            vocab_size: welcome.vocab_size,
+            // A handoff may carry drafts past the context; the worker drops those.
+            max_len: context + crate::config::MAX_DRAFT_TOKENS,
+        },
+        welcome,
+        model,
+        secret,
+        config,
+        busy: Arc::default(),
+    });
+    actix::System::new().block_on(async move {
+        let listener = TcpListener::bind(&args.listen).await.map_err(|e| {
+            RuntimeError::Config(format!(
+                "--listen {}: cannot listen there: {e}",
+                args.listen
+            ))
+        })?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| RuntimeError::Config(e.to_string()))?;
+        println!("subserver '{}' listening on {local}", args.model);
+        let _ = std::io::stdout().flush();
+        tracing::info!(model = %args.model, %local, "subserver listening");
+        loop {
+            match listener.accept().await {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    actix::spawn(serve_front(stream, peer, host.clone()));
+                }
+                Err(e) => tracing::warn!("accepting a connection failed: {e}"),
+            }
+        }
+    })
+}
+
+impl Host {
+    fn check(&self, hello: &Hello) -> Result<RemoteFacts, String> {
+        let names: Vec<String> = self.config.models.iter().map(|m| m.name.clone()).collect();
+        let name = &names[self.index];
+        if hello.models != names {
+            return Err(format!(
+                "the front's models are {:?}, this subserver's config has {names:?}",
+                hello.models
+            ));
+        }
+        if hello.model != self.index {
+            return Err(format!(
+                "the front expects model '{}' here; this subserver hosts '{name}'",
+                names.get(hello.model).map_or("?", String::as_str)
+            ));
+        }
+        if hello.vocab != self.vocab {
+            return Err(format!(
+                "model '{name}' has a different tokenizer from the front's models, so tokens cannot be routed between them"
+            ));
+        }
+        if hello.settings != self.settings {
+            return Err(format!(
+                "the settings differ: the front runs {}; this subserver {}",
+                hello.settings, self.settings
+            ));
+        }
+        if self.busy.swap(true, Ordering::AcqRel) {
+            return Err("busy: this subserver serves another front server".into());
+        }
+        Ok(self.welcome)
+    }
+
+    /// Starts the model's session for a front that passed the handshake.
+    fn start_session(&self, accepted: Accepted<TcpStream>) -> Result<(), RuntimeError> {
+        let router = crate::routing::build(&self.config, &accepted.facts)?;
+        let locals = vec![(self.index, self.model.clone())];
+        let started = start_local(&self.config, &locals, router)?;
+        let (_, model) = started.addrs[0].clone();
+        let ctx = Context::<FrontLink>::new();
+        let front = ctx.address().recipient();
+        model.do_send(Wire(vec![front; self.config.models.len()]));
+        let session = Session {
+            index: self.index,
+            model,
+            bounds: self.bounds,
+            arbiters: started.arbiters,
+            busy: self.busy.clone(),
+        };
+        ctx.run(FrontLink::new(session, accepted.link));
+        Ok(())
+    }
+}
+
+async fn serve_front(stream: TcpStream, peer: SocketAddr, host: Arc<Host>) {
+    let claimed = Cell::new(false);
+    let accepted = accept(stream, &host.secret, |hello| {
+        let welcome = host.check(hello)?;
+        claimed.set(true);
+        Ok(welcome)
+    })
+    .await;
+    let started = match accepted {
+        Ok(accepted) => host.start_session(accepted),
+        Err(e) => {
+            tracing::warn!(%peer, "refused a peer: {e}");
+            if claimed.get() {
+                host.busy.store(false, Ordering::Release);
+            }
+            return;
+        }
+    };
+    if let Err(e) = started {
+        tracing::error!(%peer, "cannot start a session: {e}");
+        host.busy.store(false, Ordering::Release);
+    }
+}
