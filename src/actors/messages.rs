@@ -120,3 +120,16 @@ pub struct PeerMessage {
     pub route_prob: Option<f64>,
     pub body: PeerBody,
 }
+
+/// A link's counters as reported (with a model's, for `/metrics` and `bench`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LinkStats {
+    pub up: bool,
+    pub frames_in: u64,
+    pub frames_out: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    /// The last heartbeat's round trip, in µs.
+    pub rtt_us: u64,
+    pub reconnects: u64,
+}

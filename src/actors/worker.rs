@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::messages::{Handoff, PeerBody, PeerMessage, RequestMeta, TokenEvent};
+use super::messages::{Handoff, LinkStats, PeerBody, PeerMessage, RequestMeta, TokenEvent};
 use crate::kernels::routing_features::{entropy_rows, max_prob_rows, top_logits_rows};
 use crate::model::runner::FinishReason;
 use crate::model::{Distribution, KvCache, KvDtype, LoadedModel, Sampler, SeqInput};
@@ -83,6 +83,8 @@ pub struct WorkerStats {
     pub threshold: usize,
     /// Operating points the online tuner has solved.
     pub tuned_points: usize,
+    /// The link to the subserver computing the model, if it is remote.
+    pub link: Option<LinkStats>,
 }
 
 struct Local {

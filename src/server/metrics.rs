@@ -26,6 +26,8 @@ pub struct Metrics {
     model_state: IntGaugeVec,
     model_totals: IntGaugeVec,
     batch_size: prometheus::GaugeVec,
+    link: IntGaugeVec,
+    link_rtt: prometheus::GaugeVec,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -76,6 +78,14 @@ impl Metrics {
                 Opts::new("mean_batch_size", "Requests per forward pass, averaged since start"),
                 &["model"],
             )?,
+            link: IntGaugeVec::new(
+                Opts::new("link", "Per remote model, its link to the subserver (up, frames_in, frames_out, bytes_in, bytes_out, reconnects)"),
+                &["model", "counter"],
+            )?,
+            link_rtt: prometheus::GaugeVec::new(
+                Opts::new("link_rtt_seconds", "Per remote model, the last heartbeat's round trip"),
+                &["model"],
+            )?,
             registry,
             names,
         };
@@ -92,6 +102,8 @@ impl Metrics {
         m.registry.register(Box::new(m.model_state.clone()))?;
         m.registry.register(Box::new(m.model_totals.clone()))?;
         m.registry.register(Box::new(m.batch_size.clone()))?;
+        m.registry.register(Box::new(m.link.clone()))?;
+        m.registry.register(Box::new(m.link_rtt.clone()))?;
         Ok(m)
     }
 
@@ -156,6 +168,18 @@ impl Metrics {
             total("handoffs_out", s.handoffs_out);
             let mean = s.batched_requests as f64 / s.steps.max(1) as f64;
             self.batch_size.with_label_values(&[name]).set(mean);
+            if let Some(l) = &s.link {
+                let set = |c: &str, v: u64| self.link.with_label_values(&[name, c]).set(v as i64);
+                set("up", l.up.into());
+                set("frames_in", l.frames_in);
+                set("frames_out", l.frames_out);
+                set("bytes_in", l.bytes_in);
+                set("bytes_out", l.bytes_out);
+                set("reconnects", l.reconnects);
+                self.link_rtt
+                    .with_label_values(&[name])
+                    .set(l.rtt_us as f64 * 1e-6);
+            }
         }
         let mut out = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);

@@ -1,8 +1,10 @@
 //! One open link's input and output, as two tasks on the owning actor's arbiter: frames read
-//! go to the actor in order; frames sent are written in batches, everything queued since the
-//! last write going out in one flush (a step's tokens and handoffs leave together).
+//! go to the actor in order (pings are answered, and pongs timed, on the way); frames sent are
+//! written in batches, everything queued since the last write going out in one flush (a step's
+//! tokens and handoffs leave together).
 
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use actix::{Message, Recipient};
 use futures_util::{SinkExt, StreamExt};
@@ -11,7 +13,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::task::JoinHandle;
 use tokio_util::codec::Framed;
 
-use super::protocol::{Codec, Frame};
+use super::protocol::{Codec, Frame, LinkCounters};
 
 /// How often a quiet side says it is alive.
 pub const HEARTBEAT: Duration = Duration::from_millis(500);
@@ -29,34 +31,46 @@ pub struct Incoming {
 pub struct Connection {
     out: UnboundedSender<Frame>,
     tasks: [JoinHandle<()>; 2],
+    counters: Arc<LinkCounters>,
     pub generation: u64,
-    pub last_heard: Instant,
     pub peer: String,
 }
 
 impl Connection {
-    /// Starts reading and writing `link` (on the current arbiter); what is read, and the
-    /// link's end, go to `to` tagged with `generation`.
+    /// Starts reading and writing `link` (on the current arbiter), counting into `counters`;
+    /// what is read, and the link's end, go to `to` tagged with `generation`.
     pub fn open(
         link: Framed<TcpStream, Codec<Frame>>,
         generation: u64,
         to: Recipient<Incoming>,
+        counters: Arc<LinkCounters>,
     ) -> Self {
         let peer = link
             .get_ref()
             .peer_addr()
             .map_or_else(|_| "?".into(), |a| a.to_string());
+        counters.heard();
+        let link = link.map_codec(|_| Codec::counted(counters.clone()));
         let (mut sink, mut stream) = link.split();
-        let reader_to = to.clone();
+        let (out, mut queued) = unbounded_channel();
+        let (reader_to, answers, heard) = (to.clone(), out.clone(), counters.clone());
         let reader = actix::spawn(async move {
             let end = loop {
-                match stream.next().await {
-                    Some(Ok(frame)) => reader_to.do_send(Incoming {
+                let frame = match stream.next().await {
+                    Some(Ok(frame)) => frame,
+                    Some(Err(e)) => break e.to_string(),
+                    None => break "the peer closed the connection".into(),
+                };
+                heard.heard();
+                match frame {
+                    Frame::Ping(t) => {
+                        let _ = answers.send(Frame::Pong(t));
+                    }
+                    Frame::Pong(t) => heard.pong(t),
+                    frame => reader_to.do_send(Incoming {
                         generation,
                         frame: Ok(frame),
                     }),
-                    Some(Err(e)) => break e.to_string(),
-                    None => break "the peer closed the connection".into(),
                 }
             };
             reader_to.do_send(Incoming {
@@ -64,7 +78,6 @@ impl Connection {
                 frame: Err(end),
             });
         });
-        let (out, mut queued) = unbounded_channel();
         let writer = actix::spawn(async move {
             while let Some(frame) = queued.recv().await {
                 let mut batch = sink.feed(frame).await;
@@ -83,8 +96,8 @@ impl Connection {
         Self {
             out,
             tasks: [reader, writer],
+            counters,
             generation,
-            last_heard: Instant::now(),
             peer,
         }
     }
@@ -96,7 +109,12 @@ impl Connection {
 
     /// Whether the peer has been silent too long.
     pub fn silent(&self) -> bool {
-        self.last_heard.elapsed() > LINK_TIMEOUT
+        self.counters.silence() > LINK_TIMEOUT
+    }
+
+    /// The heartbeat: a ping the peer answers.
+    pub fn ping(&self) {
+        self.send(Frame::Ping(self.counters.now_us()));
     }
 }
 

@@ -118,7 +118,7 @@ impl FrontLink {
                     }
                 }));
             }
-            Frame::Heartbeat => {}
+            Frame::Ping(_) | Frame::Pong(_) => {}
             Frame::Event { .. } | Frame::Stats(..) => {
                 self.close("the front sent a frame only a subserver sends", ctx)
             }
@@ -131,12 +131,12 @@ impl Actor for FrontLink {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         let link = self.opened.take().expect("opened once");
-        let link = Connection::open(link, 1, ctx.address().recipient());
+        let link = Connection::open(link, 1, ctx.address().recipient(), Arc::default());
         tracing::info!(front = %link.peer, "serving a front server");
         self.link = Some(link);
         ctx.run_interval(HEARTBEAT, |act, ctx| match &act.link {
             Some(link) if link.silent() => act.close("no frame for 3 s", ctx),
-            Some(link) => link.send(Frame::Heartbeat),
+            Some(link) => link.ping(),
             None => {}
         });
     }
@@ -159,9 +159,6 @@ impl Handler<Incoming> for FrontLink {
     fn handle(&mut self, msg: Incoming, ctx: &mut Context<Self>) {
         match msg.frame {
             Ok(frame) => {
-                if let Some(link) = self.link.as_mut() {
-                    link.last_heard = std::time::Instant::now();
-                }
                 self.deliver(frame, ctx);
             }
             Err(reason) => self.close(&reason, ctx),

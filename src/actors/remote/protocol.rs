@@ -5,7 +5,9 @@
 
 use std::io;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use serde::de::DeserializeOwned;
@@ -13,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
 
 use crate::actors::messages::{
-    EventSink, Handoff, PeerBody, PeerMessage, RequestMeta, Submit, TokenEvent,
+    EventSink, Handoff, LinkStats, PeerBody, PeerMessage, RequestMeta, Submit, TokenEvent,
 };
 use crate::actors::worker::WorkerStats;
 use crate::model::{Distribution, SamplingParams};
@@ -28,19 +30,27 @@ pub const MAX_FRAME_BYTES: usize = 64 << 20;
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Frame {
     /// Front → subserver: a new request whose first model is the subserver's.
-    Submit { meta: WireMeta, prompt: Vec<u32> },
+    Submit {
+        meta: WireMeta,
+        prompt: Vec<u32>,
+    },
     /// Either way: a model's message to a peer.
     Peer(WirePeer),
     /// Front → subserver: the request ended.
     Abort(RequestId),
     /// Subserver → front: a token event for the request's actor.
-    Event { id: RequestId, event: TokenEvent },
+    Event {
+        id: RequestId,
+        event: TokenEvent,
+    },
     /// Front → subserver: report the model's counters, answering with the same number.
     StatsRequest(u64),
     /// Subserver → front: the counters asked for.
     Stats(u64, WorkerStats),
-    /// Either way, while the link is otherwise quiet: the sender is alive.
-    Heartbeat,
+    /// Either way, every heartbeat: the sender is alive; answered with `Pong` and the same
+    /// number (the sender's clock), which gives the round-trip time.
+    Ping(u64),
+    Pong(u64),
 }
 
 /// A request's fixed facts without its event sink.
@@ -254,9 +264,11 @@ impl Frame {
                 TokenEvent::Verified { model: m, .. } => model("verified", *m),
                 TokenEvent::Finished { .. } | TokenEvent::Failed { .. } => Ok(()),
             },
-            Frame::Abort(_) | Frame::StatsRequest(_) | Frame::Stats(..) | Frame::Heartbeat => {
-                Ok(())
-            }
+            Frame::Abort(_)
+            | Frame::StatsRequest(_)
+            | Frame::Stats(..)
+            | Frame::Ping(_)
+            | Frame::Pong(_) => Ok(()),
         }
     }
 }
@@ -287,9 +299,73 @@ fn bincode_config() -> impl bincode::config::Config {
     bincode::config::standard().with_limit::<MAX_FRAME_BYTES>()
 }
 
-/// Length-prefixed bincode frames of `T`.
+/// A link's traffic and health, shared by its codec, its tasks and its owner, and kept
+/// across reconnections.
+pub struct LinkCounters {
+    epoch: Instant,
+    pub frames_in: AtomicU64,
+    pub frames_out: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    /// The last round trip, in µs.
+    pub rtt_us: AtomicU64,
+    /// When a frame last arrived, in µs since the epoch.
+    heard_us: AtomicU64,
+}
+
+impl Default for LinkCounters {
+    fn default() -> Self {
+        Self {
+            epoch: Instant::now(),
+            frames_in: AtomicU64::new(0),
+            frames_out: AtomicU64::new(0),
+            bytes_in: AtomicU64::new(0),
+            bytes_out: AtomicU64::new(0),
+            rtt_us: AtomicU64::new(0),
+            heard_us: AtomicU64::new(0),
+        }
+    }
+}
+
+impl LinkCounters {
+    /// µs since the counters were made: the clock pings carry.
+    pub fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    pub fn heard(&self) {
+        self.heard_us.store(self.now_us(), Ordering::Relaxed);
+    }
+
+    /// How long since a frame arrived.
+    pub fn silence(&self) -> Duration {
+        Duration::from_micros(self.now_us() - self.heard_us.load(Ordering::Relaxed))
+    }
+
+    /// A ping sent at `sent` (µs) came back.
+    pub fn pong(&self, sent: u64) {
+        self.rtt_us
+            .store(self.now_us().saturating_sub(sent), Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self, up: bool, reconnects: u64) -> LinkStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        LinkStats {
+            up,
+            frames_in: get(&self.frames_in),
+            frames_out: get(&self.frames_out),
+            bytes_in: get(&self.bytes_in),
+            bytes_out: get(&self.bytes_out),
+            rtt_us: get(&self.rtt_us),
+            reconnects,
+        }
+    }
+}
+
+/// Length-prefixed bincode frames of `T`, counted into `counters` when given.
 pub struct Codec<T> {
     frames: LengthDelimitedCodec,
+    counters: Option<Arc<LinkCounters>>,
     _item: PhantomData<fn() -> T>,
 }
 
@@ -299,7 +375,26 @@ impl<T> Default for Codec<T> {
             frames: LengthDelimitedCodec::builder()
                 .max_frame_length(MAX_FRAME_BYTES)
                 .new_codec(),
+            counters: None,
             _item: PhantomData,
+        }
+    }
+}
+
+impl<T> Codec<T> {
+    pub fn counted(counters: Arc<LinkCounters>) -> Self {
+        Self {
+            counters: Some(counters),
+            ..Self::default()
+        }
+    }
+
+    fn count(&self, frames: fn(&LinkCounters) -> (&AtomicU64, &AtomicU64), bytes: usize) {
+        if let Some(c) = &self.counters {
+            let (n, b) = frames(c);
+            n.fetch_add(1, Ordering::Relaxed);
+            // The payload and its length prefix.
+            b.fetch_add(bytes as u64 + 4, Ordering::Relaxed);
         }
     }
 }
@@ -312,6 +407,7 @@ impl<T: DeserializeOwned> Decoder for Codec<T> {
         let Some(bytes) = self.frames.decode(src)? else {
             return Ok(None);
         };
+        self.count(|c| (&c.frames_in, &c.bytes_in), bytes.len());
         let (item, read) = bincode::serde::decode_from_slice(&bytes, bincode_config())?;
         match bytes.len() - read {
             0 => Ok(Some(item)),
@@ -325,6 +421,7 @@ impl<T: Serialize> Encoder<T> for Codec<T> {
 
     fn encode(&mut self, item: T, dst: &mut BytesMut) -> Result<(), ProtocolError> {
         let bytes = bincode::serde::encode_to_vec(&item, bincode_config())?;
+        self.count(|c| (&c.frames_out, &c.bytes_out), bytes.len());
         Ok(self.frames.encode(Bytes::from(bytes), dst)?)
     }
 }
@@ -403,7 +500,7 @@ mod tests {
         let mut codec = Codec::<Frame>::default();
         let mut whole = BytesMut::new();
         codec.encode(Frame::Abort(5), &mut whole).unwrap();
-        codec.encode(Frame::Heartbeat, &mut whole).unwrap();
+        codec.encode(Frame::Ping(9), &mut whole).unwrap();
         let mut buf = BytesMut::new();
         buf.extend_from_slice(&whole[..3]);
         assert!(codec.decode(&mut buf).unwrap().is_none());
@@ -414,7 +511,7 @@ mod tests {
         ));
         assert!(matches!(
             codec.decode(&mut buf).unwrap(),
-            Some(Frame::Heartbeat)
+            Some(Frame::Ping(9))
         ));
     }
 

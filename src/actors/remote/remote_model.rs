@@ -19,7 +19,7 @@ use tokio_util::codec::Framed;
 
 use super::connection::{Connection, Incoming, HEARTBEAT};
 use super::handshake::{dial, Hello, RemoteFacts, Secret};
-use super::protocol::{Bounds, Codec, Frame, WirePeer};
+use super::protocol::{Bounds, Codec, Frame, LinkCounters, WirePeer};
 use crate::actors::messages::{Abort, PeerBody, PeerMessage, RequestMeta, Submit, TokenEvent};
 use crate::actors::model_actor::{GetStats, Wire};
 use crate::actors::worker::WorkerStats;
@@ -55,7 +55,9 @@ pub struct RemoteModel {
     link: Option<Connection>,
     /// The first link, opened while the runtime started.
     opened: Option<std::net::TcpStream>,
+    /// Links opened so far (the first included).
     generation: u64,
+    counters: Arc<LinkCounters>,
     stats: HashMap<u64, oneshot::Sender<WorkerStats>>,
     next_stats: u64,
     backoff: Duration,
@@ -72,6 +74,7 @@ impl RemoteModel {
             link: None,
             opened: Some(opened),
             generation: 0,
+            counters: Arc::default(),
             stats: HashMap::new(),
             next_stats: 0,
             backoff: FIRST_BACKOFF,
@@ -80,11 +83,15 @@ impl RemoteModel {
 
     fn attach(&mut self, link: Framed<TcpStream, Codec<Frame>>, ctx: &mut Context<Self>) {
         self.generation += 1;
-        self.link = Some(Connection::open(
+        let link = Connection::open(
             link,
             self.generation,
             ctx.address().recipient(),
-        ));
+            self.counters.clone(),
+        );
+        // The first round trip is known at once, not a heartbeat later.
+        link.ping();
+        self.link = Some(link);
         self.health.store(true, Ordering::Release);
         self.backoff = FIRST_BACKOFF;
     }
@@ -172,7 +179,7 @@ impl RemoteModel {
                     let _ = reply.send(stats);
                 }
             }
-            Frame::Heartbeat => {}
+            Frame::Ping(_) | Frame::Pong(_) => {}
             Frame::Submit { .. } | Frame::Abort(_) | Frame::StatsRequest(_) => {
                 self.lost("the subserver sent a frame only a front sends", ctx)
             }
@@ -191,7 +198,7 @@ impl Actor for RemoteModel {
         }
         ctx.run_interval(HEARTBEAT, |act, ctx| match &act.link {
             Some(link) if link.silent() => act.lost("no frame for 3 s", ctx),
-            Some(link) => link.send(Frame::Heartbeat),
+            Some(link) => link.ping(),
             None => {}
         });
     }
@@ -212,9 +219,6 @@ impl Handler<Incoming> for RemoteModel {
         }
         match msg.frame {
             Ok(frame) => {
-                if let Some(link) = self.link.as_mut() {
-                    link.last_heard = std::time::Instant::now();
-                }
                 self.deliver(frame, ctx);
             }
             Err(reason) => self.lost(&reason, ctx),
@@ -267,20 +271,25 @@ impl Handler<Abort> for RemoteModel {
 impl Handler<GetStats> for RemoteModel {
     type Result = ResponseFuture<WorkerStats>;
     fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
+        let link = Some(
+            self.counters
+                .snapshot(self.link.is_some(), self.generation.saturating_sub(1)),
+        );
         let unknown = WorkerStats {
             name: self.spec.name.clone(),
+            link: link.clone(),
             ..WorkerStats::default()
         };
-        let Some(link) = &self.link else {
+        let Some(open) = &self.link else {
             return Box::pin(async move { unknown });
         };
         let (reply, answer) = oneshot::channel();
         self.next_stats += 1;
         self.stats.insert(self.next_stats, reply);
-        link.send(Frame::StatsRequest(self.next_stats));
+        open.send(Frame::StatsRequest(self.next_stats));
         Box::pin(async move {
             match tokio::time::timeout(STATS_TIMEOUT, answer).await {
-                Ok(Ok(stats)) => stats,
+                Ok(Ok(stats)) => WorkerStats { link, ..stats },
                 _ => unknown,
             }
         })
