@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, BytesMut};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
@@ -419,10 +419,31 @@ impl<T: DeserializeOwned> Decoder for Codec<T> {
 impl<T: Serialize> Encoder<T> for Codec<T> {
     type Error = ProtocolError;
 
+    /// Encodes in place behind the length prefix the decoder's `LengthDelimitedCodec` reads
+    /// (4 bytes, big-endian), so a frame costs no allocation of its own.
     fn encode(&mut self, item: T, dst: &mut BytesMut) -> Result<(), ProtocolError> {
-        let bytes = bincode::serde::encode_to_vec(&item, bincode_config())?;
-        self.count(|c| (&c.frames_out, &c.bytes_out), bytes.len());
-        Ok(self.frames.encode(Bytes::from(bytes), dst)?)
+        let start = dst.len();
+        dst.put_u32(0);
+        let written = bincode::serde::encode_into_std_write(
+            &item,
+            &mut (&mut *dst).writer(),
+            bincode_config(),
+        );
+        let len = dst.len() - start - 4;
+        if let Err(e) = written {
+            dst.truncate(start);
+            return Err(e.into());
+        }
+        if len > MAX_FRAME_BYTES {
+            dst.truncate(start);
+            return Err(ProtocolError::Io(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a frame of {len} bytes exceeds the limit of {MAX_FRAME_BYTES}"),
+            )));
+        }
+        dst[start..start + 4].copy_from_slice(&(len as u32).to_be_bytes());
+        self.count(|c| (&c.frames_out, &c.bytes_out), len);
+        Ok(())
     }
 }
 

@@ -188,9 +188,42 @@ impl BenchArgs {
     }
 }
 
-/// Prefix-cache (hit, looked-up) tokens summed over the servers behind `url`: the gateway's
-/// workers when `url` is a gateway, else the server itself.
-async fn prefix_counters(client: &awc::Client, url: &str) -> Option<(f64, f64)> {
+/// What a level reads from the servers' `/metrics` before and after it runs.
+#[derive(Default)]
+struct ServerCounters {
+    /// Prefix-cache hit and looked-up tokens.
+    prefix: (f64, f64),
+    /// Per remote model: its link's frames and bytes (both ways) and last round trip (s).
+    links: std::collections::BTreeMap<String, (f64, f64, f64)>,
+}
+
+impl ServerCounters {
+    /// Each link's traffic from `before` to `self`.
+    fn links_since(&self, before: &Self) -> Vec<report::LinkLevel> {
+        self.links
+            .iter()
+            .map(|(model, &(frames, bytes, rtt))| {
+                let (f0, b0, _) = before.links.get(model).copied().unwrap_or_default();
+                report::LinkLevel {
+                    model: model.clone(),
+                    frames: (frames - f0).max(0.0) as u64,
+                    bytes: (bytes - b0).max(0.0) as u64,
+                    rtt_us: (rtt * 1e6).round() as u64,
+                }
+            })
+            .collect()
+    }
+}
+
+/// The value of label `name` in a `/metrics` line.
+fn label<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    let start = line.find(&format!("{name}=\""))? + name.len() + 2;
+    line[start..].split('"').next()
+}
+
+/// Counters summed over the servers behind `url`: the gateway's workers when `url` is a
+/// gateway, else the server itself.
+async fn server_counters(client: &awc::Client, url: &str) -> Option<ServerCounters> {
     let mut servers = vec![url.to_string()];
     if let Ok(mut r) = client.get(format!("{url}/workers")).send().await {
         if r.status().is_success() {
@@ -202,23 +235,36 @@ async fn prefix_counters(client: &awc::Client, url: &str) -> Option<(f64, f64)> 
                 .collect();
         }
     }
-    let (mut hit, mut looked_up) = (0.0, 0.0);
+    let mut out = ServerCounters::default();
     for server in servers {
         let mut r = client.get(format!("{server}/metrics")).send().await.ok()?;
         let text = String::from_utf8_lossy(&r.body().limit(1 << 24).await.ok()?).to_string();
-        for line in text
-            .lines()
-            .filter(|l| l.starts_with("tokenrouter_model_counters{"))
-        {
-            let value: f64 = line.rsplit(' ').next()?.parse().ok()?;
-            if line.contains("counter=\"prefix_hit_tokens\"") {
-                hit += value;
-            } else if line.contains("counter=\"prefix_lookup_tokens\"") {
-                looked_up += value;
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some(value) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else {
+                continue;
+            };
+            let (counter, model) = (label(line, "counter"), label(line, "model"));
+            if line.starts_with("tokenrouter_model_counters{") {
+                match counter {
+                    Some("prefix_hit_tokens") => out.prefix.0 += value,
+                    Some("prefix_lookup_tokens") => out.prefix.1 += value,
+                    _ => {}
+                }
+            } else if let (true, Some(model)) = (line.starts_with("tokenrouter_link{"), model) {
+                let link = out.links.entry(model.to_string()).or_default();
+                match counter {
+                    Some("frames_in" | "frames_out") => link.0 += value,
+                    Some("bytes_in" | "bytes_out") => link.1 += value,
+                    _ => {}
+                }
+            } else if let (true, Some(model)) =
+                (line.starts_with("tokenrouter_link_rtt_seconds{"), model)
+            {
+                out.links.entry(model.to_string()).or_default().2 = value;
             }
         }
     }
-    Some((hit, looked_up))
+    Some(out)
 }
 
 /// Every concurrency level against one server.
@@ -234,7 +280,7 @@ async fn run_levels(
     let mut first = 0;
     for &c in &args.concurrency {
         let sessions = args.num_requests.unwrap_or(2 * c).max(1);
-        let before = prefix_counters(client, url).await;
+        let before = server_counters(client, url).await;
         let started = Instant::now();
         let (samples, failed) = run_level(client, url, args, c, first..first + sessions).await;
         first += sessions;
@@ -245,8 +291,19 @@ async fn run_levels(
             failed.len(),
             started.elapsed().as_secs_f64(),
         );
-        if let (Some(b), Some(a)) = (before, prefix_counters(client, url).await) {
-            r.prefix_hit_rate = Some((a.0 - b.0) / (a.1 - b.1).max(1.0));
+        if let (Some(b), Some(a)) = (before, server_counters(client, url).await) {
+            r.prefix_hit_rate =
+                Some((a.prefix.0 - b.prefix.0) / (a.prefix.1 - b.prefix.1).max(1.0));
+            r.links = a.links_since(&b);
+        }
+        for l in &r.links {
+            eprintln!(
+                "{mode} c={c}: link to '{}': {} frames, {:.1} KiB, round trip {} us",
+                l.model,
+                l.frames,
+                l.bytes as f64 / 1024.0,
+                l.rtt_us
+            );
         }
         eprintln!(
             "{mode} c={c}: {:.1} output tok/s, {} requests, {} failed{}",
@@ -359,4 +416,25 @@ fn stop_server(mut server: Child) {
         .args(["-TERM", &server.id().to_string()])
         .status();
     let _ = server.wait();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_traffic_is_the_difference_over_a_level() {
+        let line = "tokenrouter_link{counter=\"bytes_in\",model=\"llm\"} 1024";
+        assert_eq!(label(line, "counter"), Some("bytes_in"));
+        assert_eq!(label(line, "model"), Some("llm"));
+        assert_eq!(label(line, "state"), None);
+        let at = |frames: f64, bytes: f64, rtt: f64| ServerCounters {
+            links: [("llm".to_string(), (frames, bytes, rtt))].into(),
+            ..ServerCounters::default()
+        };
+        let level = at(30.0, 4096.0, 0.000_150).links_since(&at(10.0, 1024.0, 0.0));
+        assert_eq!(level.len(), 1);
+        let l = &level[0];
+        assert_eq!((l.model.as_str(), l.frames, l.bytes, l.rtt_us), ("llm", 20, 3072, 150));
+    }
 }

@@ -32,6 +32,14 @@ impl Percentiles {
 }
 
 #[derive(Debug, Clone, Serialize)]
+pub struct LinkLevel {
+    pub model: String,
+    pub frames: u64,
+    pub bytes: u64,
+    pub rtt_us: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
 pub struct LevelResult {
     pub mode: String,
     pub concurrency: usize,
@@ -52,6 +60,9 @@ pub struct LevelResult {
     pub mean_accepted_length: Option<f64>,
     /// The servers' own prefix-cache hit rate over this level (hit ÷ looked-up tokens).
     pub prefix_hit_rate: Option<f64>,
+    /// Per remote model, its link's traffic over this level and last round trip.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub links: Vec<LinkLevel>,
     /// Every request's end-to-end seconds (for the CDF plot).
     pub e2e_samples: Vec<f64>,
     /// Output tok/s of each repetition (`--repeat`), in run order; this result is the median
@@ -124,6 +135,7 @@ pub fn summarize(
         acceptance_rate: (drafted > 0).then(|| accepted as f64 / drafted as f64),
         mean_accepted_length: (verifications > 0).then(|| accepted as f64 / verifications as f64),
         prefix_hit_rate: None,
+        links: Vec::new(),
         e2e_samples: e2e,
         repetitions: Vec::new(),
     }
