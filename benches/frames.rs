@@ -36,6 +36,9 @@ fn handoff(tokens: usize) -> Frame {
     })
 }
 
+/// A frame's name and how to make it.
+type Case = (&'static str, fn() -> Frame);
+
 fn round_trip(c: &mut Criterion) {
     let bounds = Bounds {
         num_models: 2,
@@ -50,10 +53,10 @@ fn round_trip(c: &mut Criterion) {
             model: 1,
         },
     };
-    let cases: [(&str, Box<dyn Fn() -> Frame>); 3] = [
-        ("token_event", Box::new(token)),
-        ("handoff_256", Box::new(|| handoff(256))),
-        ("handoff_2048", Box::new(|| handoff(2048))),
+    let cases: [Case; 3] = [
+        ("token_event", token),
+        ("handoff_256", || handoff(256)),
+        ("handoff_2048", || handoff(2048)),
     ];
     for (name, make) in cases {
         let mut codec = Codec::<Frame>::default();

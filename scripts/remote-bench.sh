@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Routed serving with the LLM in a subserver process, against the same two models in one
-# process: the shipped pair (config.toml), the SLM on core 0 and the LLM on core 1 in both
-# layouts, `tokenrouter bench`'s short workload, the two layouts alternated ROUNDS times.
-# Prints each run's output tok/s, handoffs and (remote) the link's frames, bytes and last round
-# trip, then the ratio of the medians and the cost per handoff that the difference implies.
+# Routed serving with the models in subserver processes, against the same two models in one
+# process: the shipped pair (config.toml), the SLM on core 0 and the LLM on core 1 in every
+# layout, `tokenrouter bench`'s short workload. Layouts, alternated ROUNDS times: `local` (one
+# process), `remote` (the LLM in a subserver), `both` (each model in a subserver of its own,
+# the front computing none). Prints each run's output tok/s, handoffs and the LLM link's
+# frames, bytes and last round trip, then each layout's median against `local` and the cost
+# per handoff that the difference implies.
 #
 #   scripts/remote-bench.sh [ROUNDS]          # default 3; CONCURRENCY=16 NUM_REQUESTS=32 MAX_TOKENS=64
 set -euo pipefail
@@ -15,6 +17,7 @@ MAX=${MAX_TOKENS:-64}
 BIN=${BIN:-target/release/tokenrouter}
 PORT=${PORT:-31300}
 SUB_PORT=$((PORT + 1))
+SLM_PORT=$((PORT + 2))
 work=$(mktemp -d)
 pids=()
 cleanup() {
@@ -31,6 +34,8 @@ sed -e "s#path = \"models/#path = \"$PWD/models/#" \
   -e 's#^name = "llm"#name = "llm"\ndevice = "cpu:1"#' config.toml >"$work/local.toml"
 sed -e "s#^name = \"llm\"#name = \"llm\"\nremote = \"127.0.0.1:$SUB_PORT\"\nsecret_file = \"secret\"#" \
   "$work/local.toml" >"$work/front.toml"
+sed -e "s#^name = \"slm\"#name = \"slm\"\nremote = \"127.0.0.1:$SLM_PORT\"\nsecret_file = \"secret\"#" \
+  "$work/front.toml" >"$work/both.toml"
 
 wait_health() {
   for _ in $(seq 600); do
@@ -43,19 +48,22 @@ wait_health() {
 
 metrics() { curl -s "http://127.0.0.1:$PORT/metrics"; }
 
-# One run: $1 = local | remote. Appends "layout tok/s tokens handoffs frames bytes rtt_us".
+subserver() { # $1 = model, $2 = port
+  "$BIN" subserver --config "$work/local.toml" --model "$1" --listen "127.0.0.1:$2" \
+    --secret-file "$work/secret" >"$work/sub-$1.log" 2>&1 &
+  pids+=($!)
+  for _ in $(seq 600); do grep -q listening "$work/sub-$1.log" && break; sleep 0.2; done
+}
+
+# One run: $1 = local | remote | both. Appends "layout tok/s tokens handoffs frames bytes rtt_us".
 run() {
   local layout=$1
   pids=()
-  if [ "$layout" = remote ]; then
-    "$BIN" subserver --config "$work/local.toml" --model llm --listen "127.0.0.1:$SUB_PORT" \
-      --secret-file "$work/secret" >"$work/sub.log" 2>&1 &
-    pids+=($!)
-    for _ in $(seq 600); do grep -q listening "$work/sub.log" && break; sleep 0.2; done
-    config=$work/front.toml
-  else
-    config=$work/local.toml
-  fi
+  case $layout in
+    local) config=$work/local.toml ;;
+    remote) subserver llm "$SUB_PORT"; config=$work/front.toml ;;
+    both) subserver llm "$SUB_PORT"; subserver slm "$SLM_PORT"; config=$work/both.toml ;;
+  esac
   "$BIN" serve --config "$config" --port "$PORT" >"$work/serve.log" 2>&1 &
   pids+=($!)
   wait_health
@@ -86,18 +94,22 @@ echo "layout tok/s tokens handoffs link_frames link_bytes rtt_us"
 for _ in $(seq "$ROUNDS"); do
   run local
   run remote
+  run both
 done
 python3 - "$work/runs" <<'EOF'
 import statistics, sys
 runs = [line.split() for line in open(sys.argv[1])]
 def med(layout, i):
     return statistics.median(float(r[i]) for r in runs if r[0] == layout)
-local, remote = med("local", 1), med("remote", 1)
-tokens, handoffs = med("remote", 2), med("remote", 3)
-print(f"median output tok/s: in-process {local:.1f}, LLM in a subserver {remote:.1f}: {remote / local:.2f}x")
-if handoffs:
-    per = (1 / remote - 1 / local) * tokens / handoffs * 1e6
-    print(f"implied cost per handoff: {per:.0f} us ({handoffs:.0f} handoffs, {tokens:.0f} tokens)")
-    frames, size = med("remote", 4), med("remote", 5)
-    print(f"link: {frames / handoffs:.1f} frames and {size / handoffs:.0f} bytes per handoff")
+local = med("local", 1)
+print(f"median output tok/s in one process: {local:.1f}")
+for layout, what in [("remote", "the LLM in a subserver"), ("both", "each model in a subserver")]:
+    tps = med(layout, 1)
+    tokens, handoffs = med(layout, 2), med(layout, 3)
+    print(f"{what}: {tps:.1f} ({tps / local:.2f}x)")
+    if handoffs:
+        per = (1 / tps - 1 / local) * tokens / handoffs * 1e6
+        frames, size = med(layout, 4), med(layout, 5)
+        print(f"  implied cost per handoff: {per:.0f} us ({handoffs:.0f} handoffs, {tokens:.0f} tokens);"
+              f" the LLM's link: {frames / handoffs:.1f} frames and {size / handoffs:.0f} bytes per handoff")
 EOF

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use common::oracle::routed_greedy;
 use common::runtime::{collect, greedy, prompts, rules, tiny_pair, with_runtime, Pair};
-use tokenrouter::actors::remote::handshake::{dial, Hello, Secret};
+use tokenrouter::actors::remote::handshake::{dial, vocab_digest, Hello, Secret};
 use tokenrouter::actors::remote::protocol::{Codec, Frame, WireMeta};
 use tokenrouter::actors::{RequestEvent, Runtime};
 use tokenrouter::config::Config;
@@ -30,12 +30,19 @@ const SECRET: &str = "a shared secret of the test pair\n";
 
 /// The pair's config: the LLM hosted at `remote` when given.
 fn write_config(dir: &Path, name: &str, remote: Option<&str>, rest: &str) -> PathBuf {
-    let remote = remote.map_or(String::new(), |addr| {
-        format!("remote = \"{addr}\"\nsecret_file = \"secret\"\n")
+    write_config_for(dir, name, [None, remote], rest)
+}
+
+/// The pair's config, each model hosted at its `remote` when given.
+fn write_config_for(dir: &Path, name: &str, remote: [Option<&str>; 2], rest: &str) -> PathBuf {
+    let [slm, llm] = remote.map(|r| {
+        r.map_or(String::new(), |addr| {
+            format!("remote = \"{addr}\"\nsecret_file = \"secret\"\n")
+        })
     });
     let text = format!(
-        "[[models]]\nname = \"slm\"\npath = \"slm.gguf\"\nbatch_threshold = 3\n\
-         [[models]]\nname = \"llm\"\npath = \"llm.gguf\"\nbatch_threshold = 2\n{remote}\
+        "[[models]]\nname = \"slm\"\npath = \"slm.gguf\"\nbatch_threshold = 3\n{slm}\
+         [[models]]\nname = \"llm\"\npath = \"llm.gguf\"\nbatch_threshold = 2\n{llm}\
          [kv_cache]\nblock_size = 4\n{rest}"
     );
     let path = dir.join(name);
@@ -53,19 +60,23 @@ struct Subserver {
 
 impl Subserver {
     fn start(config: &Path, listen: &str) -> Self {
-        Self::start_in(
-            &mut Command::new(env!("CARGO_BIN_EXE_tokenrouter")),
-            config,
-            listen,
-        )
+        Self::hosting("llm", config, listen)
+    }
+
+    fn hosting(model: &str, config: &Path, listen: &str) -> Self {
+        let binary = &mut Command::new(env!("CARGO_BIN_EXE_tokenrouter"));
+        Self::start_in(binary, model, config, listen)
     }
 
     /// Started by `command` (the binary, or a wrapper such as `ip netns exec`).
-    fn start_in(command: &mut Command, config: &Path, listen: &str) -> Self {
+    fn start_in(command: &mut Command, model: &str, config: &Path, listen: &str) -> Self {
         let dir = config.parent().unwrap();
-        let log = dir.join(format!("subserver-{}.log", listen.replace([':', '.'], "-")));
+        let log = dir.join(format!(
+            "subserver-{model}-{}.log",
+            listen.replace([':', '.'], "-")
+        ));
         let mut child = command
-            .args(["subserver", "--model", "llm", "--listen", listen])
+            .args(["subserver", "--model", model, "--listen", listen])
             .arg("--config")
             .arg(config)
             .arg("--secret-file")
@@ -79,7 +90,8 @@ impl Subserver {
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
             .unwrap();
-        let Some(addr) = line.trim().strip_prefix("subserver 'llm' listening on ") else {
+        let prefix = format!("subserver '{model}' listening on ");
+        let Some(addr) = line.trim().strip_prefix(&prefix) else {
             let _ = child.wait();
             panic!(
                 "{line:?}; its log: {}",
@@ -178,6 +190,71 @@ fn routed_output_through_a_remote_llm_equals_the_full_recompute_oracle_in_every_
     }
 }
 
+#[test]
+fn a_front_without_models_routes_between_two_subservers_as_one_process_does() {
+    let pair = tiny_pair();
+    let models = [&pair.models[0].model, &pair.models[1].model];
+    let max_tokens = 16;
+    let [(rule, routing), _] = rules(&pair);
+    let expected: Vec<_> = prompts()
+        .iter()
+        .map(|p| routed_greedy(models, rule, p, max_tokens, &[]))
+        .collect();
+    for mode in ["delayed", "eager", "sync"] {
+        let rest = format!("{routing}[scheduler]\nmode = \"{mode}\"\n");
+        let dir = pair.dir.path();
+        let local = write_config(dir, &format!("both-{mode}.toml"), None, &rest);
+        let slm = Subserver::hosting("slm", &local, "127.0.0.1:0");
+        let llm = Subserver::hosting("llm", &local, "127.0.0.1:0");
+        let path = write_config_for(
+            dir,
+            &format!("thin-{mode}.toml"),
+            [Some(&slm.addr), Some(&llm.addr)],
+            &rest,
+        );
+        let config = Config::load(&path).unwrap();
+        let no_models = Pair {
+            dir: tempfile::tempdir().unwrap(),
+            models: Vec::new(),
+        };
+        let (outcomes, stats) = with_runtime(&config, &no_models, async |rt| {
+            // The front reads and writes requests with the SLM's vocabulary, sent over.
+            let lead = &rt.shared().lead;
+            assert_eq!(
+                lead.tokenizer.get_vocab(true),
+                pair.models[0].tokenizer.get_vocab(true)
+            );
+            assert_eq!(lead.special.eos, pair.models[0].special.eos);
+            let handles: Vec<_> = prompts()
+                .iter()
+                .map(|p| {
+                    let mut req = greedy(p, max_tokens);
+                    req.ignore_eos = true;
+                    rt.submit(req)
+                })
+                .collect();
+            let mut out = Vec::new();
+            for h in handles {
+                out.push(collect(h, None).await);
+            }
+            (out, rt.stats().await)
+        });
+        for (i, (got, want)) in outcomes.iter().zip(&expected).enumerate() {
+            assert_eq!(
+                got.tokens, want.tokens,
+                "mode {mode}, prompt {i}: {:?}",
+                got.terminals
+            );
+        }
+        assert!(
+            stats
+                .iter()
+                .all(|s| s.link.is_some() && s.tokens_committed > 0),
+            "{stats:?}"
+        );
+    }
+}
+
 /// Reads until the peer closes (or `limit` passes): whether it closed.
 fn closes_within(mut stream: TcpStream, limit: Duration) -> bool {
     stream.set_read_timeout(Some(limit)).unwrap();
@@ -235,7 +312,8 @@ fn peers_without_the_secret_http_clients_and_garbage_are_refused_undisturbing() 
     // malformed frame is one session's last.
     let config = front(&pair, "front.toml", &sub.addr, &routing);
     let secret = Secret::new(SECRET.into()).unwrap();
-    let hello = Hello::new(&config, 1, &pair.models[0].tokenizer);
+    let vocab = vocab_digest(&pair.models[0].tokenizer);
+    let hello = Hello::new(&config, 1, Some(vocab), false);
     let facts = vec![ModelFacts::default(); 2];
     let valid = |frame: Frame| {
         let mut buf = BytesMut::new();
@@ -649,6 +727,7 @@ fn routed_output_across_two_network_namespaces_equals_the_in_process_runtime() {
     let local = write_config(dir, "local.toml", None, &routing);
     let sub = Subserver::start_in(
         &mut hosts.command(0),
+        "llm",
         &local,
         &format!("{}:0", hosts.addrs[0]),
     );

@@ -73,7 +73,7 @@ mod remotes;
 mod start;
 mod subserver;
 mod threads;
-use remotes::{open_remotes, Opened};
+use remotes::{open_remotes, Remotes};
 pub use start::{load_model, load_models};
 pub use subserver::{run_subserver, SubserverArgs};
 pub use threads::thread_budget;

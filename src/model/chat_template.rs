@@ -23,8 +23,10 @@ impl ChatMessage {
     }
 }
 
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -45,9 +47,15 @@ impl ChatTemplate {
             .map_err(|e| ModelError::Template(format!("cannot parse the template: {e}")))?;
         Ok(Self {
             env,
+            source: source.to_string(),
             bos_token: bos_token.unwrap_or_default().to_string(),
             eos_token: eos_token.unwrap_or_default().to_string(),
         })
+    }
+
+    /// The template's source and its BOS and EOS texts, as [`ChatTemplate::new`] takes them.
+    pub fn parts(&self) -> (&str, &str, &str) {
+        (&self.source, &self.bos_token, &self.eos_token)
     }
 
     /// Renders `messages`; with `add_generation_prompt` the text ends where the assistant's

@@ -54,6 +54,15 @@ enum Weights<'a, S> {
     Random(&'a str),
 }
 
+/// What requests are read and written with: a checkpoint's tokenizer, special ids and chat
+/// template, without its weights.
+#[derive(Clone)]
+pub struct Vocabulary {
+    pub tokenizer: tokenizers::Tokenizer,
+    pub special: SpecialTokens,
+    pub chat_template: Option<ChatTemplate>,
+}
+
 /// Everything one checkpoint provides: weights, tokenizer, special ids and chat template.
 pub struct LoadedModel {
     pub model: Model,
@@ -239,6 +248,14 @@ impl LoadedModel {
             .encode(text, true)
             .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn vocabulary(&self) -> Vocabulary {
+        Vocabulary {
+            tokenizer: self.tokenizer.clone(),
+            special: self.special.clone(),
+            chat_template: self.chat_template.clone(),
+        }
     }
 
     /// Renders `messages` with the checkpoint's chat template and tokenizes the result.

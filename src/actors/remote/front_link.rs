@@ -45,6 +45,17 @@ impl EventSink for LinkSink {
     }
 }
 
+impl Session {
+    /// Stops the model actor and its device, and frees the subserver for another front.
+    pub fn stop(&mut self) {
+        for arbiter in self.arbiters.drain(..) {
+            arbiter.stop();
+            let _ = arbiter.join();
+        }
+        self.busy.store(false, Ordering::Release);
+    }
+}
+
 /// The hosted model's session, as the link owns it.
 pub struct Session {
     pub index: ModelIndex,
@@ -143,11 +154,7 @@ impl Actor for FrontLink {
 
     fn stopped(&mut self, _: &mut Context<Self>) {
         self.link = None;
-        for arbiter in self.session.arbiters.drain(..) {
-            arbiter.stop();
-            let _ = arbiter.join();
-        }
-        self.session.busy.store(false, Ordering::Release);
+        self.session.stop();
         tracing::info!(
             "session ended: its requests and KV cache are dropped; waiting for a front server"
         );

@@ -17,6 +17,7 @@ use tokio_util::codec::Framed;
 
 use super::protocol::{Codec, Frame, ProtocolError};
 use crate::config::Config;
+use crate::model::{ChatTemplate, SpecialTokens, Vocabulary};
 use crate::routing::{ModelFacts, ModelIndex};
 
 /// Both sides must speak the same version; any change to a frame's layout changes it.
@@ -24,6 +25,9 @@ pub const PROTOCOL_VERSION: u32 = 1;
 const MAGIC: [u8; 8] = *b"tkrouter";
 /// How long a peer has to complete the handshake (a silent peer holds nothing longer).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a front waits for a subserver to start its session (its KV cache, and a first
+/// forward pass that pays for lazy set-up).
+pub const SESSION_START_TIMEOUT: Duration = Duration::from_secs(300);
 const MIN_SECRET_BYTES: usize = 16;
 
 /// The shared secret both sides read from a file.
@@ -87,21 +91,96 @@ pub struct Hello {
     pub models: Vec<String>,
     /// The model the subserver must host.
     pub model: ModelIndex,
-    /// Digest of the front's vocabulary ([`vocab_digest`]).
-    pub vocab: [u8; 32],
+    /// Digest of the front's vocabulary ([`vocab_digest`]), when it computes a model itself.
+    pub vocab: Option<[u8; 32]>,
+    /// Whether the front asks for the model's vocabulary (requests start on that model, and
+    /// the front reads and writes them with it).
+    pub wants_vocabulary: bool,
     /// The routing algorithm and scheduling mode, which both sides must run alike.
     pub settings: String,
 }
 
 impl Hello {
-    /// What a front with `config` (and `tokenizer`) expects of the subserver hosting `model`.
-    pub fn new(config: &Config, model: ModelIndex, tokenizer: &tokenizers::Tokenizer) -> Self {
+    /// What a front with `config` (and the vocabulary digest `vocab`, if it has a model of
+    /// its own) expects of the subserver hosting `model`.
+    pub fn new(config: &Config, model: ModelIndex, vocab: Option<[u8; 32]>, wants: bool) -> Self {
         Self {
             models: config.models.iter().map(|m| m.name.clone()).collect(),
             model,
-            vocab: vocab_digest(tokenizer),
+            vocab,
+            wants_vocabulary: wants,
             settings: settings(config),
         }
+    }
+}
+
+/// A subserver's answer to a hello it takes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Welcome {
+    pub facts: RemoteFacts,
+    /// Digest of its model's vocabulary.
+    pub vocab: [u8; 32],
+    /// The vocabulary itself, when the front asked for it.
+    pub vocabulary: Option<WireVocabulary>,
+}
+
+/// A [`Vocabulary`] as it crosses: the tokenizer as its JSON, the chat template as its source.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct WireVocabulary {
+    tokenizer: String,
+    bos: Option<u32>,
+    eos: Vec<u32>,
+    bos_text: Option<String>,
+    eos_text: Option<String>,
+    /// Source, BOS text, EOS text.
+    chat_template: Option<(String, String, String)>,
+}
+
+impl std::fmt::Debug for WireVocabulary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "WireVocabulary({} bytes of tokenizer)",
+            self.tokenizer.len()
+        )
+    }
+}
+
+impl WireVocabulary {
+    pub fn of(v: &Vocabulary) -> Result<Self, String> {
+        Ok(Self {
+            tokenizer: v.tokenizer.to_string(false).map_err(|e| e.to_string())?,
+            bos: v.special.bos,
+            eos: v.special.eos.clone(),
+            bos_text: v.special.bos_text.clone(),
+            eos_text: v.special.eos_text.clone(),
+            chat_template: v.chat_template.as_ref().map(|t| {
+                let (source, bos, eos) = t.parts();
+                (source.to_string(), bos.to_string(), eos.to_string())
+            }),
+        })
+    }
+
+    pub fn into_vocabulary(self) -> Result<Vocabulary, String> {
+        let tokenizer: tokenizers::Tokenizer = self
+            .tokenizer
+            .parse()
+            .map_err(|e| format!("the subserver's tokenizer: {e}"))?;
+        let chat_template = self
+            .chat_template
+            .map(|(source, bos, eos)| ChatTemplate::new(&source, Some(&bos), Some(&eos)))
+            .transpose()
+            .map_err(|e| format!("the subserver's chat template: {e}"))?;
+        Ok(Vocabulary {
+            tokenizer,
+            special: SpecialTokens {
+                bos: self.bos,
+                eos: self.eos,
+                bos_text: self.bos_text,
+                eos_text: self.eos_text,
+            },
+            chat_template,
+        })
     }
 }
 
@@ -143,10 +222,12 @@ enum Handshake {
         mac: [u8; 32],
     },
     Hello(Hello),
-    Welcome(RemoteFacts),
+    Welcome(Welcome),
     Start {
         facts: Vec<ModelFacts>,
     },
+    /// The subserver's session is up: frames follow.
+    Ready,
     Refused(String),
 }
 
@@ -205,18 +286,36 @@ async fn refuse<S: AsyncRead + AsyncWrite + Unpin>(
 pub struct Accepted<S> {
     pub hello: Hello,
     pub facts: Vec<ModelFacts>,
-    pub link: Framed<S, Codec<Frame>>,
+    pub link: Starting<S>,
 }
 
-/// The subserver's side: `check` answers the front's hello with this model's facts, or says
-/// why they do not match.
+/// A link whose front waits for the subserver's session to start.
+pub struct Starting<S>(Link<S>);
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Starting<S> {
+    /// The session is up: tells the front; the link then carries frames.
+    pub async fn ready(mut self) -> Result<Framed<S, Codec<Frame>>, HandshakeError> {
+        self.0.send(Handshake::Ready).await?;
+        Ok(self.0.map_codec(|_| Codec::default()))
+    }
+
+    /// The session could not start: tells the front why.
+    pub async fn refuse(mut self, why: String) {
+        refuse(&mut self.0, HandshakeError::Refused(why)).await;
+    }
+}
+
+/// The subserver's side: `check` answers the front's hello with this model's welcome, or
+/// says why they do not match.
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     io: S,
     secret: &Secret,
-    check: impl FnOnce(&Hello) -> Result<RemoteFacts, String>,
+    check: impl FnOnce(&Hello) -> Result<Welcome, String>,
 ) -> Result<Accepted<S>, HandshakeError> {
     let handshake = async {
-        let mut link: Link<S> = Framed::new(io, Codec::default());
+        // Every message a front sends here is small; a peer that has not proved the secret
+        // makes this side buffer no more.
+        let mut link: Link<S> = Framed::new(io, Codec::small());
         let ours = nonce();
         link.send(Handshake::Challenge {
             magic: MAGIC,
@@ -247,7 +346,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
             other => return Err(unexpected(other)),
         };
         match check(&hello) {
-            Ok(facts) => link.send(Handshake::Welcome(facts)).await?,
+            Ok(welcome) => link.send(Handshake::Welcome(welcome)).await?,
             Err(why) => return Err(refuse(&mut link, HandshakeError::Refused(why)).await),
         }
         let facts = match next(&mut link).await? {
@@ -257,7 +356,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         Ok(Accepted {
             hello,
             facts,
-            link: link.map_codec(|_| Codec::default()),
+            link: Starting(link),
         })
     };
     tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
@@ -268,17 +367,23 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
 /// A subserver that welcomed the front, waiting for every model's facts.
 pub struct Greeted<S> {
     link: Link<S>,
-    pub facts: RemoteFacts,
+    pub welcome: Welcome,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Greeted<S> {
-    /// Gives every model's facts; the link then carries frames.
+    /// Gives every model's facts and waits for the subserver's session to start; the link
+    /// then carries frames.
     pub async fn start(
         mut self,
         facts: Vec<ModelFacts>,
     ) -> Result<Framed<S, Codec<Frame>>, HandshakeError> {
         self.link.send(Handshake::Start { facts }).await?;
-        Ok(self.link.map_codec(|_| Codec::default()))
+        match tokio::time::timeout(SESSION_START_TIMEOUT, next(&mut self.link)).await {
+            Ok(Ok(Handshake::Ready)) => Ok(self.link.map_codec(|_| Codec::default())),
+            Ok(Ok(other)) => Err(unexpected(other)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(HandshakeError::Timeout),
+        }
     }
 }
 
@@ -317,7 +422,7 @@ pub async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
         }
         link.send(Handshake::Hello(hello.clone())).await?;
         match next(&mut link).await? {
-            Handshake::Welcome(facts) => Ok(Greeted { link, facts }),
+            Handshake::Welcome(welcome) => Ok(Greeted { link, welcome }),
             other => Err(unexpected(other)),
         }
     };
@@ -369,7 +474,8 @@ mod tests {
         Hello {
             models: vec!["slm".into(), "llm".into()],
             model: 1,
-            vocab: [7; 32],
+            vocab: Some([7; 32]),
+            wants_vocabulary: false,
             settings: "delayed".into(),
         }
     }
@@ -385,21 +491,41 @@ mod tests {
         }
     }
 
+    fn welcome() -> Welcome {
+        Welcome {
+            facts: facts(),
+            vocab: [7; 32],
+            vocabulary: None,
+        }
+    }
+
     /// Runs both sides over an in-memory pipe.
     async fn both(
         server_secret: &str,
         client_secret: &str,
-        check: impl FnOnce(&Hello) -> Result<RemoteFacts, String>,
+        check: impl FnOnce(&Hello) -> Result<Welcome, String>,
     ) -> (
-        Result<Accepted<tokio::io::DuplexStream>, HandshakeError>,
+        Result<
+            (
+                Hello,
+                Vec<ModelFacts>,
+                Framed<tokio::io::DuplexStream, Codec<Frame>>,
+            ),
+            HandshakeError,
+        >,
         Result<RemoteFacts, HandshakeError>,
     ) {
         let (a, b) = tokio::io::duplex(1 << 16);
         let (server_secret, client_secret) = (secret(server_secret), secret(client_secret));
-        let server = accept(a, &server_secret, check);
+        let server = async {
+            let accepted = accept(a, &server_secret, check).await?;
+            let (hello, facts) = (accepted.hello, accepted.facts);
+            let link = accepted.link.ready().await?;
+            Ok::<_, HandshakeError>((hello, facts, link))
+        };
         let client = async {
             let greeted = greet(b, &client_secret, &hello()).await?;
-            let facts = greeted.facts;
+            let facts = greeted.welcome.facts;
             greeted.start(vec![facts.facts; 2]).await?;
             Ok(facts)
         };
@@ -418,11 +544,11 @@ mod tests {
     fn a_shared_secret_opens_the_link() {
         let (server, client) = run(both("0123456789abcdef", "0123456789abcdef\n", |h| {
             assert_eq!(h, &hello());
-            Ok(facts())
+            Ok(welcome())
         }));
-        let accepted = server.unwrap();
-        assert_eq!(accepted.hello, hello());
-        assert_eq!(accepted.facts, vec![facts().facts; 2]);
+        let (h, f, _) = server.unwrap();
+        assert_eq!(h, hello());
+        assert_eq!(f, vec![facts().facts; 2]);
         assert_eq!(client.unwrap(), facts());
     }
 

@@ -339,7 +339,8 @@ impl LinkCounters {
 
     /// How long since a frame arrived.
     pub fn silence(&self) -> Duration {
-        Duration::from_micros(self.now_us() - self.heard_us.load(Ordering::Relaxed))
+        let heard = self.heard_us.load(Ordering::Relaxed);
+        Duration::from_micros(self.now_us().saturating_sub(heard))
     }
 
     /// A ping sent at `sent` (µs) came back.
@@ -365,6 +366,8 @@ impl LinkCounters {
 /// Length-prefixed bincode frames of `T`, counted into `counters` when given.
 pub struct Codec<T> {
     frames: LengthDelimitedCodec,
+    /// Frames read are at most [`SMALL_FRAME_BYTES`] (and so is what they claim to hold).
+    small: bool,
     counters: Option<Arc<LinkCounters>>,
     _item: PhantomData<fn() -> T>,
 }
@@ -375,13 +378,29 @@ impl<T> Default for Codec<T> {
             frames: LengthDelimitedCodec::builder()
                 .max_frame_length(MAX_FRAME_BYTES)
                 .new_codec(),
+            small: false,
             counters: None,
             _item: PhantomData,
         }
     }
 }
 
+/// The limit of [`Codec::small`].
+pub const SMALL_FRAME_BYTES: usize = 64 << 10;
+
 impl<T> Codec<T> {
+    /// Frames read are limited to [`SMALL_FRAME_BYTES`]: for what a peer that has not proved
+    /// the secret may send, so that it cannot make this side buffer or allocate more.
+    pub fn small() -> Self {
+        Self {
+            frames: LengthDelimitedCodec::builder()
+                .max_frame_length(SMALL_FRAME_BYTES)
+                .new_codec(),
+            small: true,
+            ..Self::default()
+        }
+    }
+
     pub fn counted(counters: Arc<LinkCounters>) -> Self {
         Self {
             counters: Some(counters),
@@ -408,7 +427,12 @@ impl<T: DeserializeOwned> Decoder for Codec<T> {
             return Ok(None);
         };
         self.count(|c| (&c.frames_in, &c.bytes_in), bytes.len());
-        let (item, read) = bincode::serde::decode_from_slice(&bytes, bincode_config())?;
+        let (item, read) = if self.small {
+            let config = bincode::config::standard().with_limit::<SMALL_FRAME_BYTES>();
+            bincode::serde::decode_from_slice(&bytes, config)?
+        } else {
+            bincode::serde::decode_from_slice(&bytes, bincode_config())?
+        };
         match bytes.len() - read {
             0 => Ok(Some(item)),
             left => Err(ProtocolError::Trailing(left)),

@@ -13,9 +13,10 @@ use std::time::Duration;
 use actix::{
     Actor, ActorFutureExt, AsyncContext, Context, Handler, Recipient, ResponseFuture, WrapFuture,
 };
+use bytes::BytesMut;
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
-use tokio_util::codec::Framed;
+use tokio_util::codec::{Framed, FramedParts};
 
 use super::connection::{Connection, Incoming, HEARTBEAT};
 use super::handshake::{dial, Hello, RemoteFacts, Secret};
@@ -30,6 +31,13 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// How long a counters request waits for the subserver's answer.
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A link opened on another thread, handed to the actor that will serve it: its socket (in
+/// non-blocking mode) and what was read from it past the handshake.
+pub struct Handover {
+    pub stream: std::net::TcpStream,
+    pub read: BytesMut,
+}
 
 /// What the front needs to open (and reopen) the link to one subserver.
 pub struct RemoteSpec {
@@ -54,7 +62,7 @@ pub struct RemoteModel {
     requests: HashMap<RequestId, Arc<RequestMeta>>,
     link: Option<Connection>,
     /// The first link, opened while the runtime started.
-    opened: Option<std::net::TcpStream>,
+    opened: Option<Handover>,
     /// Links opened so far (the first included).
     generation: u64,
     counters: Arc<LinkCounters>,
@@ -64,8 +72,8 @@ pub struct RemoteModel {
 }
 
 impl RemoteModel {
-    /// `opened`: the link the runtime opened (handshake done, blocking mode off).
-    pub fn new(spec: RemoteSpec, opened: std::net::TcpStream, health: Arc<AtomicBool>) -> Self {
+    /// `opened`: the link the runtime opened.
+    pub fn new(spec: RemoteSpec, opened: Handover, health: Arc<AtomicBool>) -> Self {
         Self {
             spec: Arc::new(spec),
             health,
@@ -130,10 +138,10 @@ impl RemoteModel {
                 let greeted = dial(&spec.addr, &spec.secret, &spec.hello)
                     .await
                     .map_err(|e| e.to_string())?;
-                if greeted.facts != spec.expected {
+                if greeted.welcome.facts != spec.expected {
                     return Err(format!(
                         "it now hosts a different model ({:?}, expected {:?})",
-                        greeted.facts, spec.expected
+                        greeted.welcome.facts, spec.expected
                     ));
                 }
                 greeted
@@ -191,9 +199,13 @@ impl Actor for RemoteModel {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        let opened = self.opened.take().and_then(|s| TcpStream::from_std(s).ok());
+        let opened = self.opened.take().and_then(|h| {
+            let mut parts = FramedParts::new(TcpStream::from_std(h.stream).ok()?, Codec::default());
+            parts.read_buf = h.read;
+            Some(Framed::from_parts(parts))
+        });
         match opened {
-            Some(stream) => self.attach(Framed::new(stream, Codec::default()), ctx),
+            Some(link) => self.attach(link, ctx),
             None => self.reconnect(ctx),
         }
         ctx.run_interval(HEARTBEAT, |act, ctx| match &act.link {

@@ -13,7 +13,7 @@ use super::{
     Cancel, ErrorKind, GenerateRequest, Prompt, RequestActor, RequestError, RequestEvent, Summary,
 };
 use crate::actors::model_actor::ModelAddr;
-use crate::model::LoadedModel;
+use crate::model::Vocabulary;
 use crate::routing::{ModelIndex, RoutingAlgorithm};
 use crate::scheduler::{PublishedPrefixes, RequestId};
 
@@ -23,7 +23,7 @@ pub struct RuntimeShared {
     pub models: Vec<ModelAddr>,
     /// The model whose tokenizer and chat template requests use (all routed models share the
     /// tokenizer).
-    pub lead: Arc<LoadedModel>,
+    pub lead: Arc<Vocabulary>,
     pub eos: Vec<u32>,
     pub vocab_size: usize,
     pub router: Arc<dyn RoutingAlgorithm>,

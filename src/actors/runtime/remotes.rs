@@ -1,18 +1,29 @@
 //! Opening the links to the subservers that host a config's remote models, before the
-//! runtime starts: the routing algorithm needs every model's facts, and the front's limits
-//! (vocabulary, context) need the remote ones'.
+//! runtime starts: the routing algorithm needs every model's facts, the front's limits
+//! (vocabulary, context) need the remote ones', and a front whose requests start on a remote
+//! model reads and writes them with that model's vocabulary.
 
 use super::start::Locals;
 use super::*;
-use crate::actors::remote::handshake::{dial, Hello, RemoteFacts, Secret};
+use crate::actors::remote::handshake::{dial, vocab_digest, Hello, Secret, Welcome};
 use crate::actors::remote::protocol::Bounds;
-use crate::actors::remote::remote_model::RemoteSpec;
+use crate::actors::remote::remote_model::{Handover, RemoteSpec};
+use crate::model::Vocabulary;
 use crate::routing::ModelFacts;
 
 /// A link opened and started, for a [`RemoteModel`] to take over.
 pub(super) struct Opened {
     pub spec: RemoteSpec,
-    pub stream: std::net::TcpStream,
+    pub link: Handover,
+}
+
+/// What opening the links gave.
+pub(super) struct Remotes {
+    pub links: Vec<Opened>,
+    /// Every model's facts, in config order.
+    pub facts: Vec<ModelFacts>,
+    /// Each remote model's vocabulary, by config index (`None` for local ones).
+    pub vocabularies: Vec<Option<Vocabulary>>,
 }
 
 /// What a routing algorithm knows of a loaded model.
@@ -23,12 +34,8 @@ pub(super) fn facts_of(model: &LoadedModel) -> ModelFacts {
     }
 }
 
-/// Opens a link to each remote model's subserver and gives each every model's facts, which
-/// are returned (in config order) with the links.
-pub(super) fn open_remotes(
-    config: &Config,
-    locals: &Locals,
-) -> Result<(Vec<Opened>, Vec<ModelFacts>), RuntimeError> {
+/// Opens a link to each remote model's subserver and gives each every model's facts.
+pub(super) fn open_remotes(config: &Config, locals: &Locals) -> Result<Remotes, RuntimeError> {
     let n = config.models.len();
     let mut facts: Vec<Option<ModelFacts>> = vec![None; n];
     for (i, model) in locals {
@@ -36,15 +43,16 @@ pub(super) fn open_remotes(
     }
     let remote: Vec<ModelIndex> = (0..n).filter(|&i| facts[i].is_none()).collect();
     if remote.is_empty() {
-        return Ok((Vec::new(), facts.into_iter().flatten().collect()));
+        return Ok(Remotes {
+            links: Vec::new(),
+            facts: facts.into_iter().flatten().collect(),
+            vocabularies: vec![None; n],
+        });
     }
-    let Some((_, lead)) = locals.first() else {
-        return Err(RuntimeError::Config(
-            "every model is remote: the front server computes at least the model requests start on"
-                .into(),
-        ));
-    };
-    let mut wanted = Vec::new();
+    // With a model of its own, the front has the subservers check their vocabulary against
+    // it; without, it checks that they agree among themselves.
+    let vocab = locals.first().map(|(_, m)| vocab_digest(&m.tokenizer));
+    let mut dialing = Vec::new();
     for &i in &remote {
         let entry = &config.models[i];
         let path = entry
@@ -52,9 +60,10 @@ pub(super) fn open_remotes(
             .as_ref()
             .expect("validated: remote has a secret");
         let secret = Secret::read(path).map_err(RuntimeError::Config)?;
-        let hello = Hello::new(config, i, &lead.tokenizer);
+        // Requests may start on any of them (the routing algorithm decides, later).
+        let hello = Hello::new(config, i, vocab, true);
         let addr = entry.remote.clone().expect("remote");
-        wanted.push((i, addr, Arc::new(secret), hello));
+        dialing.push((i, addr, Arc::new(secret), hello));
     }
     let link_error = |i: ModelIndex, error: String| {
         RuntimeError::Config(format!(
@@ -66,69 +75,85 @@ pub(super) fn open_remotes(
     // The handshake is async; the runtime's start is not, and may run inside an actix
     // system's executor, so the links open on a thread of their own and change hands as
     // plain sockets.
-    let dialing = wanted
-        .iter()
-        .map(|(i, addr, secret, hello)| (*i, addr.clone(), secret.clone(), hello.clone()))
-        .collect::<Vec<_>>();
-    let known = facts.clone();
-    let opened = std::thread::spawn(move || open_links(dialing, known))
+    let (to_dial, known) = (dialing.clone(), facts.clone());
+    let opened = std::thread::spawn(move || open_links(to_dial, known))
         .join()
         .map_err(|_| RuntimeError::Config("opening the links to the subservers panicked".into()))?
         .map_err(|(i, e)| link_error(i, e))?;
+    let first = &opened[0].0;
+    if let Some(k) = opened.iter().position(|(w, _)| w.vocab != first.vocab) {
+        return Err(RuntimeError::Config(format!(
+            "models '{}' and '{}' have different tokenizers, so tokens cannot be routed between them",
+            config.models[remote[0]].name, config.models[remote[k]].name
+        )));
+    }
     let all: Vec<ModelFacts> = (0..n)
         .map(|i| {
             facts[i].unwrap_or_else(|| {
                 let k = remote.iter().position(|&r| r == i).expect("remote");
-                opened[k].0.facts
+                opened[k].0.facts.facts
             })
         })
         .collect();
     let vocab_size = locals
         .iter()
         .map(|(_, m)| m.model.config().vocab_size)
-        .chain(opened.iter().map(|(f, _)| f.vocab_size))
+        .chain(opened.iter().map(|(w, _)| w.facts.vocab_size))
         .min()
         .unwrap_or(0);
+    // A handoff may carry drafts past the context; the worker drops those.
     let max_len = locals
         .iter()
         .map(|(_, m)| m.model.config().context_length)
-        .chain(opened.iter().map(|(f, _)| f.max_len))
+        .chain(opened.iter().map(|(w, _)| w.facts.max_len))
         .max()
-        .unwrap_or(0);
-    let links = wanted
-        .into_iter()
-        .zip(opened)
-        .map(
-            |((index, addr, secret, hello), (expected, stream))| Opened {
-                spec: RemoteSpec {
-                    index,
-                    name: config.models[index].name.clone(),
-                    addr,
-                    secret,
-                    hello,
-                    facts: all.clone(),
-                    expected,
-                    bounds: Bounds {
-                        num_models: n,
-                        vocab_size,
-                        max_len,
-                    },
+        .unwrap_or(0)
+        + crate::config::MAX_DRAFT_TOKENS;
+    let mut vocabularies = vec![None; n];
+    let mut links = Vec::new();
+    for ((index, addr, secret, mut hello), (welcome, link)) in dialing.into_iter().zip(opened) {
+        let vocabulary = welcome
+            .vocabulary
+            .ok_or_else(|| "no vocabulary in its welcome".to_string())
+            .and_then(|v| v.into_vocabulary())
+            .map_err(|e| link_error(index, e))?;
+        vocabularies[index] = Some(vocabulary);
+        // Reconnections check the vocabulary by its digest alone.
+        hello.vocab = Some(welcome.vocab);
+        hello.wants_vocabulary = false;
+        links.push(Opened {
+            spec: RemoteSpec {
+                index,
+                name: config.models[index].name.clone(),
+                addr,
+                secret,
+                hello,
+                facts: all.clone(),
+                expected: welcome.facts,
+                bounds: Bounds {
+                    num_models: n,
+                    vocab_size,
+                    max_len,
                 },
-                stream,
             },
-        )
-        .collect();
-    Ok((links, all))
+            link,
+        });
+    }
+    Ok(Remotes {
+        links,
+        facts: all,
+        vocabularies,
+    })
 }
 
 type Dialing = Vec<(ModelIndex, String, Arc<Secret>, Hello)>;
 
 /// Greets every subserver, then starts every link with all the facts; returns each link's
-/// remote facts and socket, or the index of the model that failed and why.
+/// welcome and socket, or the index of the model that failed and why.
 fn open_links(
     dialing: Dialing,
     mut facts: Vec<Option<ModelFacts>>,
-) -> Result<Vec<(RemoteFacts, std::net::TcpStream)>, (ModelIndex, String)> {
+) -> Result<Vec<(Welcome, Handover)>, (ModelIndex, String)> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -139,26 +164,22 @@ fn open_links(
             let g = dial(addr, secret, hello)
                 .await
                 .map_err(|e| (*i, e.to_string()))?;
-            facts[*i] = Some(g.facts.facts);
+            facts[*i] = Some(g.welcome.facts.facts);
             greeted.push((*i, g));
         }
         let all: Vec<ModelFacts> = facts.into_iter().map(Option::unwrap_or_default).collect();
         let mut out = Vec::new();
         for (i, g) in greeted {
-            let remote = g.facts;
+            let welcome = g.welcome.clone();
             let parts = g
                 .start(all.clone())
                 .await
                 .map_err(|e| (i, e.to_string()))?
                 .into_parts();
-            if !parts.read_buf.is_empty() {
-                return Err((
-                    i,
-                    "the subserver sent frames before its session began".into(),
-                ));
-            }
             let stream = parts.io.into_std().map_err(|e| (i, e.to_string()))?;
-            out.push((remote, stream));
+            // Frames the subserver sent once ready may be read already: they go along.
+            let read = parts.read_buf;
+            out.push((welcome, Handover { stream, read }));
         }
         Ok(out)
     })

@@ -107,8 +107,8 @@ impl Runtime {
     /// subservers hosting the others, and routes with the algorithm `config.routing` names.
     pub fn start(config: &Config, models: Vec<Arc<LoadedModel>>) -> Result<Self, RuntimeError> {
         let locals = locals(config, models)?;
-        let (remotes, facts) = open_remotes(config, &locals)?;
-        let router = crate::routing::build(config, &facts)?;
+        let remotes = open_remotes(config, &locals)?;
+        let router = crate::routing::build(config, &remotes.facts)?;
         Self::start_parts(config, locals, remotes, router)
     }
 
@@ -120,27 +120,24 @@ impl Runtime {
         router: Arc<dyn RoutingAlgorithm>,
     ) -> Result<Self, RuntimeError> {
         let locals = locals(config, models)?;
-        let (remotes, _) = open_remotes(config, &locals)?;
+        let remotes = open_remotes(config, &locals)?;
         Self::start_parts(config, locals, remotes, router)
     }
 
     fn start_parts(
         config: &Config,
         locals: Locals,
-        remotes: Vec<Opened>,
+        remotes: Remotes,
         router: Arc<dyn RoutingAlgorithm>,
     ) -> Result<Self, RuntimeError> {
         let n = config.models.len();
         let home = router.first_model(&[]);
-        let Some(lead) = locals
-            .iter()
-            .find(|(i, _)| *i == home)
-            .map(|(_, m)| m.clone())
-        else {
-            return Err(RuntimeError::Config(format!(
-                "model '{}' is where requests start: it must be computed in this process, not remote",
-                config.models[home].name
-            )));
+        // Requests are read and written with the vocabulary of the model they start on.
+        let lead = match locals.iter().find(|(i, _)| *i == home) {
+            Some((_, m)) => m.vocabulary(),
+            None => remotes.vocabularies[home]
+                .clone()
+                .expect("a model is local or remote"),
         };
         let started = start_local(config, &locals, router.clone())?;
         let mut addrs: Vec<Option<ModelAddr>> = vec![None; n];
@@ -159,8 +156,8 @@ impl Runtime {
             .iter()
             .map(|(_, m)| m.model.config().vocab_size)
             .min()
-            .unwrap_or(0);
-        for opened in remotes {
+            .unwrap_or(usize::MAX);
+        for opened in remotes.links {
             let index = opened.spec.index;
             max_context = max_context.min(opened.spec.expected.max_len);
             vocab_size = vocab_size.min(opened.spec.expected.vocab_size);
@@ -168,9 +165,9 @@ impl Runtime {
             health[index] = up.clone();
             linked[index] = up.clone();
             let arbiter = Arbiter::new();
-            let (spec, stream) = (opened.spec, opened.stream);
+            let (spec, link) = (opened.spec, opened.link);
             let addr = RemoteModel::start_in_arbiter(&arbiter.handle(), move |_| {
-                RemoteModel::new(spec, stream, up)
+                RemoteModel::new(spec, link, up)
             });
             addrs[index] = Some(ModelAddr::of(&addr));
             arbiters.push(arbiter);
@@ -187,7 +184,7 @@ impl Runtime {
             model_names: config.models.iter().map(|m| m.name.clone()).collect(),
             models,
             eos: lead.special.eos.clone(),
-            lead,
+            lead: Arc::new(lead),
             vocab_size,
             router,
             max_context,
@@ -266,7 +263,7 @@ pub(super) struct Started {
     pub health: Vec<Arc<AtomicBool>>,
     pub prefixes: Vec<Arc<PublishedPrefixes>>,
     pub kv: Vec<KvShare>,
-    /// The longest sequence every local model can hold.
+    /// The longest sequence every local model can hold (`usize::MAX` without one).
     pub max_len: usize,
     pub arbiters: Vec<Arbiter>,
 }
@@ -357,7 +354,11 @@ pub(super) fn start_local(
         };
         workers.push(ModelWorker::new(setup).map_err(|e| model_error(k, e))?);
     }
-    let max_len = workers.iter().map(ModelWorker::max_len).min().unwrap_or(0);
+    let max_len = workers
+        .iter()
+        .map(ModelWorker::max_len)
+        .min()
+        .unwrap_or(usize::MAX);
     let mut arbiters = Vec::new();
     let mut addrs = Vec::new();
     for (worker, (index, _)) in workers.into_iter().zip(locals) {

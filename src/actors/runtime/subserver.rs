@@ -17,7 +17,7 @@ use super::start::{load_model, start_local};
 use super::*;
 use crate::actors::remote::front_link::{FrontLink, Session};
 use crate::actors::remote::handshake::{
-    accept, settings, vocab_digest, Accepted, Hello, RemoteFacts, Secret,
+    accept, settings, vocab_digest, Accepted, Hello, RemoteFacts, Secret, Welcome, WireVocabulary,
 };
 use crate::actors::remote::protocol::Bounds;
 use crate::model::MatmulBackend;
@@ -39,6 +39,7 @@ struct Host {
     secret: Secret,
     welcome: RemoteFacts,
     vocab: [u8; 32],
+    vocabulary: WireVocabulary,
     settings: String,
     bounds: Bounds,
     busy: Arc<AtomicBool>,
@@ -82,9 +83,12 @@ pub fn run_subserver(
         vocab_size: model.model.config().vocab_size,
         max_len: context.min(share.tokens),
     };
+    let vocabulary = WireVocabulary::of(&model.vocabulary())
+        .map_err(|e| RuntimeError::Config(format!("model '{}': its tokenizer: {e}", args.model)))?;
     let host = Arc::new(Host {
         index,
         vocab: vocab_digest(&model.tokenizer),
+        vocabulary,
         settings: settings(&config),
         bounds: Bounds {
             num_models: config.models.len(),
@@ -124,7 +128,7 @@ pub fn run_subserver(
 }
 
 impl Host {
-    fn check(&self, hello: &Hello) -> Result<RemoteFacts, String> {
+    fn check(&self, hello: &Hello) -> Result<Welcome, String> {
         let names: Vec<String> = self.config.models.iter().map(|m| m.name.clone()).collect();
         let name = &names[self.index];
         if hello.models != names {
@@ -139,7 +143,7 @@ impl Host {
                 names.get(hello.model).map_or("?", String::as_str)
             ));
         }
-        if hello.vocab != self.vocab {
+        if hello.vocab.is_some_and(|v| v != self.vocab) {
             return Err(format!(
                 "model '{name}' has a different tokenizer from the front's models, so tokens cannot be routed between them"
             ));
@@ -153,27 +157,33 @@ impl Host {
         if self.busy.swap(true, Ordering::AcqRel) {
             return Err("busy: this subserver serves another front server".into());
         }
-        Ok(self.welcome)
+        Ok(Welcome {
+            facts: self.welcome,
+            vocab: self.vocab,
+            vocabulary: hello.wants_vocabulary.then(|| self.vocabulary.clone()),
+        })
     }
 
-    /// Starts the model's session for a front that passed the handshake.
-    fn start_session(&self, accepted: Accepted<TcpStream>) -> Result<(), RuntimeError> {
-        let router = crate::routing::build(&self.config, &accepted.facts)?;
+    /// Starts the model's session for a front with every model's `facts`; the link actor
+    /// that will serve it is started on `ctx` once the front knows.
+    fn start_session(
+        &self,
+        facts: &[crate::routing::ModelFacts],
+        ctx: &Context<FrontLink>,
+    ) -> Result<Session, RuntimeError> {
+        let router = crate::routing::build(&self.config, facts)?;
         let locals = vec![(self.index, self.model.clone())];
         let started = start_local(&self.config, &locals, router)?;
         let (_, model) = started.addrs[0].clone();
-        let ctx = Context::<FrontLink>::new();
         let front = ctx.address().recipient();
         model.do_send(Wire(vec![front; self.config.models.len()]));
-        let session = Session {
+        Ok(Session {
             index: self.index,
             model,
             bounds: self.bounds,
             arbiters: started.arbiters,
             busy: self.busy.clone(),
-        };
-        ctx.run(FrontLink::new(session, accepted.link));
-        Ok(())
+        })
     }
 }
 
@@ -185,8 +195,8 @@ async fn serve_front(stream: TcpStream, peer: SocketAddr, host: Arc<Host>) {
         Ok(welcome)
     })
     .await;
-    let started = match accepted {
-        Ok(accepted) => host.start_session(accepted),
+    let accepted: Accepted<TcpStream> = match accepted {
+        Ok(accepted) => accepted,
         Err(e) => {
             tracing::warn!(%peer, "refused a peer: {e}");
             if claimed.get() {
@@ -195,8 +205,26 @@ async fn serve_front(stream: TcpStream, peer: SocketAddr, host: Arc<Host>) {
             return;
         }
     };
-    if let Err(e) = started {
-        tracing::error!(%peer, "cannot start a session: {e}");
-        host.busy.store(false, Ordering::Release);
+    let ctx = Context::<FrontLink>::new();
+    let mut session = match host.start_session(&accepted.facts, &ctx) {
+        Ok(session) => session,
+        Err(e) => {
+            tracing::error!(%peer, "cannot start a session: {e}");
+            accepted
+                .link
+                .refuse(format!("cannot start a session: {e}"))
+                .await;
+            host.busy.store(false, Ordering::Release);
+            return;
+        }
+    };
+    match accepted.link.ready().await {
+        Ok(link) => {
+            ctx.run(FrontLink::new(session, link));
+        }
+        Err(e) => {
+            tracing::warn!(%peer, "the front left while its session started: {e}");
+            session.stop();
+        }
     }
 }

@@ -435,6 +435,9 @@ mod tests {
         let level = at(30.0, 4096.0, 0.000_150).links_since(&at(10.0, 1024.0, 0.0));
         assert_eq!(level.len(), 1);
         let l = &level[0];
-        assert_eq!((l.model.as_str(), l.frames, l.bytes, l.rtt_us), ("llm", 20, 3072, 150));
+        assert_eq!(
+            (l.model.as_str(), l.frames, l.bytes, l.rtt_us),
+            ("llm", 20, 3072, 150)
+        );
     }
 }
