@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use common::oracle::routed_greedy;
-use common::runtime::{collect, greedy, prompts, rules, tiny_pair, with_runtime, Pair};
+use common::runtime::{
+    collect, every_prompt, greedy, prompts, rules, tiny_pair, with_runtime, Pair,
+};
 use tokenrouter::actors::remote::handshake::{dial, vocab_digest, Hello, Secret};
 use tokenrouter::actors::remote::protocol::{Codec, Frame, WireMeta};
 use tokenrouter::actors::{RequestEvent, Runtime};
@@ -152,19 +154,7 @@ fn routed_output_through_a_remote_llm_equals_the_full_recompute_oracle_in_every_
             );
             let config = front(&pair, &format!("front-{mode}.toml"), &sub.addr, &rest);
             let (outcomes, stats) = with_front(&config, &pair, async |rt| {
-                let handles: Vec<_> = prompts()
-                    .iter()
-                    .map(|p| {
-                        let mut req = greedy(p, max_tokens);
-                        req.ignore_eos = true;
-                        rt.submit(req)
-                    })
-                    .collect();
-                let mut out = Vec::new();
-                for h in handles {
-                    out.push(collect(h, None).await);
-                }
-                (out, rt.stats().await)
+                every_prompt(rt, max_tokens).await
             });
             for (i, (got, want)) in outcomes.iter().zip(&expected).enumerate() {
                 assert_eq!(got.tokens, want.tokens, "{rule:?}, mode {mode}, prompt {i}");
@@ -225,19 +215,7 @@ fn a_front_without_models_routes_between_two_subservers_as_one_process_does() {
                 pair.models[0].tokenizer.get_vocab(true)
             );
             assert_eq!(lead.special.eos, pair.models[0].special.eos);
-            let handles: Vec<_> = prompts()
-                .iter()
-                .map(|p| {
-                    let mut req = greedy(p, max_tokens);
-                    req.ignore_eos = true;
-                    rt.submit(req)
-                })
-                .collect();
-            let mut out = Vec::new();
-            for h in handles {
-                out.push(collect(h, None).await);
-            }
-            (out, rt.stats().await)
+            every_prompt(rt, max_tokens).await
         });
         for (i, (got, want)) in outcomes.iter().zip(&expected).enumerate() {
             assert_eq!(

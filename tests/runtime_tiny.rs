@@ -11,7 +11,7 @@ use std::sync::Arc;
 use candle_core::Device;
 use common::oracle::routed_greedy;
 use common::runtime::{
-    collect, config, config_on, greedy, prompts, rules, tiny_pair, with_runtime,
+    collect, config, config_on, every_prompt, greedy, prompts, rules, tiny_pair, with_runtime,
 };
 use tokenrouter::actors::{GenerateRequest, Prompt, RequestEvent, Runtime};
 use tokenrouter::model::{LoadedModel, SamplingParams};
@@ -53,19 +53,7 @@ fn routed_greedy_output_equals_the_full_recompute_oracle_in_every_mode() {
                 &format!("{routing}[scheduler]\nmode = \"{mode}\"\n"),
             );
             let (outcomes, stats) = with_runtime(&config, &pair, async |rt| {
-                let handles: Vec<_> = prompts()
-                    .iter()
-                    .map(|p| {
-                        let mut req = greedy(p, max_tokens);
-                        req.ignore_eos = true;
-                        rt.submit(req)
-                    })
-                    .collect();
-                let mut out = Vec::new();
-                for h in handles {
-                    out.push(collect(h, None).await);
-                }
-                (out, rt.stats().await)
+                every_prompt(rt, max_tokens).await
             });
             if mode.contains("auto") {
                 assert!(

@@ -104,6 +104,27 @@ pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
     )
 }
 
+/// Every prompt of [`prompts`], greedy for `max_tokens` tokens past any end-of-sequence,
+/// submitted at once and collected; with every model's counters after them.
+pub async fn every_prompt(
+    rt: &Runtime,
+    max_tokens: usize,
+) -> (Vec<Outcome>, Vec<tokenrouter::actors::worker::WorkerStats>) {
+    let handles: Vec<_> = prompts()
+        .iter()
+        .map(|p| {
+            let mut req = greedy(p, max_tokens);
+            req.ignore_eos = true;
+            rt.submit(req)
+        })
+        .collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(collect(h, None).await);
+    }
+    (out, rt.stats().await)
+}
+
 /// Runs `body` inside an actix system with a runtime over `pair`'s models.
 pub fn with_runtime<T>(config: &Config, pair: &Pair, body: impl AsyncFnOnce(&Runtime) -> T) -> T {
     Runtime::run(config, pair.models.clone(), async |runtime| {
