@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use common::oracle::routed_greedy;
+use common::oracle::{routed_greedy, OracleToken};
 use common::runtime::{
     collect, every_prompt, greedy, prompts, rules, tiny_pair, with_runtime, Pair,
 };
@@ -387,15 +387,24 @@ fn a_killed_subserver_fails_its_requests_at_once_and_is_taken_back_when_restarte
     let pair = tiny_pair();
     let models = [&pair.models[0].model, &pair.models[1].model];
     let [(rule, routing), _] = rules(&pair);
-    let dir = pair.dir.path().to_path_buf();
-    let rest = format!("{routing}[scheduler]\nmode = \"eager\"\n");
-    let sub_config = write_config(&dir, "sub.toml", None, &rest);
-    let mut sub = Some(Subserver::start(&sub_config, "127.0.0.1:0"));
-    let addr = sub.as_ref().unwrap().addr.clone();
-    let config = front(&pair, "front.toml", &addr, &rest);
     let prompt = prompts()[3].clone();
     let want = routed_greedy(models, rule, &prompt, 12, &[]).tokens;
-    with_front(&config, &pair, async |rt| {
+    // In lock-step the front's model waits for the subserver's rounds: while it is gone, and
+    // once a new session (which starts at round 0) is back.
+    for mode in ["eager", "sync"] {
+        kill_and_restart(&pair, &routing, mode, &want);
+    }
+}
+
+fn kill_and_restart(pair: &Pair, routing: &str, mode: &str, want: &[OracleToken]) {
+    let dir = pair.dir.path().to_path_buf();
+    let rest = format!("{routing}[scheduler]\nmode = \"{mode}\"\n");
+    let sub_config = write_config(&dir, &format!("sub-{mode}.toml"), None, &rest);
+    let mut sub = Some(Subserver::start(&sub_config, "127.0.0.1:0"));
+    let addr = sub.as_ref().unwrap().addr.clone();
+    let config = front(pair, &format!("front-{mode}.toml"), &addr, &rest);
+    let prompt = prompts()[3].clone();
+    with_front(&config, pair, async |rt| {
         // 16 long streams, each far from done when the subserver dies.
         let started = Arc::new(AtomicUsize::new(0));
         let tasks: Vec<_> = prompts()
@@ -436,7 +445,7 @@ fn a_killed_subserver_fails_its_requests_at_once_and_is_taken_back_when_restarte
                 RequestEvent::Failed(e) => {
                     assert!(e.message.contains("model 'llm' is unavailable"), "{e:?}");
                 }
-                other => panic!("after {tokens} tokens: {other:?}"),
+                other => panic!("mode {mode}, after {tokens} tokens: {other:?}"),
             }
             assert!(
                 at.duration_since(killed) < Duration::from_secs(1),
@@ -463,8 +472,13 @@ fn a_killed_subserver_fails_its_requests_at_once_and_is_taken_back_when_restarte
         }
         let mut req = greedy(&prompt, 12);
         req.ignore_eos = true;
-        let again = collect(rt.submit(req), None).await;
-        assert_eq!(again.tokens, want);
+        let again = actix_rt::time::timeout(Duration::from_secs(30), collect(rt.submit(req), None))
+            .await
+            .unwrap_or_else(|_| panic!("mode {mode}: the request never ended after the restart"));
+        assert_eq!(again.tokens, *want, "mode {mode}");
+        // Every request has ended: none is counted as active any more.
+        let slm = &rt.stats().await[0];
+        assert_eq!(slm.active_estimate, 0, "mode {mode}: {slm:?}");
         // Kept alive until the runtime's final count, which reads the subserver's blocks too.
         back
     });

@@ -2,6 +2,7 @@
 //! (`remote::protocol`); they carry no actor addresses except the request's event sink, which
 //! a link replaces by the request's id.
 
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
 use actix::Message;
@@ -76,6 +77,39 @@ pub struct Submit {
 #[rtype(result = "()")]
 pub struct Abort {
     pub id: RequestId,
+}
+
+/// Requests that ended lately, so that a message still in flight for one (a handoff that an
+/// abort overtook) is dropped instead of bringing it back. The oldest are forgotten past
+/// `capacity`.
+pub struct Tombstones {
+    ended: HashSet<RequestId>,
+    order: VecDeque<RequestId>,
+    capacity: usize,
+}
+
+impl Tombstones {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            ended: HashSet::new(),
+            order: VecDeque::new(),
+            capacity,
+        }
+    }
+
+    pub fn insert(&mut self, id: RequestId) {
+        if self.ended.insert(id) {
+            self.order.push_back(id);
+            if self.order.len() > self.capacity {
+                let old = self.order.pop_front().expect("not empty");
+                self.ended.remove(&old);
+            }
+        }
+    }
+
+    pub fn contains(&self, id: &RequestId) -> bool {
+        self.ended.contains(id)
+    }
 }
 
 /// A request moving to a peer with every committed token; the peer extends (or, on a first

@@ -8,12 +8,14 @@
 //! estimate, once in and once out. Peers learn that a request ended from its request actor
 //! alone (one abort each, whoever ended it), so a model that ends a request tells no peer.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::messages::{Handoff, LinkStats, PeerBody, PeerMessage, RequestMeta, TokenEvent};
+use super::messages::{
+    Handoff, LinkStats, PeerBody, PeerMessage, RequestMeta, TokenEvent, Tombstones,
+};
 use crate::kernels::routing_features::{entropy_rows, max_prob_rows, top_logits_rows};
 use crate::model::runner::FinishReason;
 use crate::model::{Distribution, KvCache, KvDtype, LoadedModel, Sampler, SeqInput};
@@ -149,8 +151,7 @@ pub struct ModelWorker {
     stepping: Stepping,
     lockstep: LockStep,
     requests: HashMap<RequestId, Local>,
-    ended: HashSet<RequestId>,
-    ended_order: VecDeque<RequestId>,
+    ended: Tombstones,
     max_len: usize,
     active: i64,
     unsent: Vec<i64>,
@@ -197,8 +198,7 @@ impl ModelWorker {
             stepping: setup.stepping,
             lockstep: LockStep::new(setup.num_models, setup.index),
             requests: HashMap::new(),
-            ended: HashSet::new(),
-            ended_order: VecDeque::new(),
+            ended: Tombstones::new(TOMBSTONES),
             max_len,
             active: 0,
             unsent: vec![0; setup.num_models],
@@ -263,6 +263,17 @@ impl ModelWorker {
         let Some(local) = self.requests.get_mut(&id) else {
             return self.admit(handoff, from, now);
         };
+        // Only a peer in another process can get this wrong; the request cannot go on.
+        if handoff.tokens.len().saturating_sub(handoff.drafts) < local.meta.prompt_len {
+            local.meta.sink.send(TokenEvent::Failed {
+                message: format!(
+                    "model {from} handed over {} tokens of a request whose prompt has {}",
+                    handoff.tokens.len(),
+                    local.meta.prompt_len
+                ),
+            });
+            return self.end(id);
+        }
         // What this model holds beyond the common prefix (its drafts that were rejected) is
         // taken back.
         let common = local
@@ -341,13 +352,7 @@ impl ModelWorker {
                 self.count_active(-1);
             }
         }
-        if self.ended.insert(id) {
-            self.ended_order.push_back(id);
-            if self.ended_order.len() > TOMBSTONES {
-                let old = self.ended_order.pop_front().expect("not empty");
-                self.ended.remove(&old);
-            }
-        }
+        self.ended.insert(id);
     }
 
     pub fn peer_message(&mut self, msg: PeerMessage, now: Instant) {

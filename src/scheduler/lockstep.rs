@@ -38,10 +38,20 @@ impl LockStep {
         peers().all(|(_, &r)| r >= mine) && (has_work || peers().any(|(_, &r)| r > mine))
     }
 
-    /// Marks this model's round done; returns its number, to be sent to every peer.
-    pub fn finish_round(&mut self) -> u64 {
-        self.finished[self.me] += 1;
-        self.finished[self.me]
+    /// Marks this model's round done; returns its number, to be sent to every peer. An
+    /// empty round (nothing computed) catches up with the slowest peer at once, as that many
+    /// empty rounds in a row would: a model that joins late (a subserver's new session)
+    /// does not replay every round it missed.
+    pub fn finish_round(&mut self, empty: bool) -> u64 {
+        let slowest = (0..self.finished.len())
+            .filter(|&i| i != self.me)
+            .map(|i| self.finished[i])
+            .min()
+            .unwrap_or(0);
+        let mine = &mut self.finished[self.me];
+        let next = mine.saturating_add(1);
+        *mine = if empty { next.max(slowest) } else { next };
+        *mine
     }
 }
 
@@ -53,7 +63,7 @@ mod tests {
     fn a_model_waits_for_every_peer_to_finish_the_round() {
         let mut a = LockStep::new(2, 0);
         assert!(a.may_start(true));
-        assert_eq!(a.finish_round(), 1);
+        assert_eq!(a.finish_round(false), 1);
         assert!(!a.may_start(true), "peer 1 has not finished round 1");
         a.peer_finished(1, 1);
         assert!(a.may_start(true));
@@ -65,7 +75,20 @@ mod tests {
         assert!(!b.may_start(false));
         b.peer_finished(0, 1);
         assert!(b.may_start(false), "an empty step keeps the rounds in step");
-        b.finish_round();
+        b.finish_round(true);
         assert!(!b.may_start(false));
+    }
+
+    #[test]
+    fn a_late_joiner_catches_up_in_one_empty_round() {
+        let mut late = LockStep::new(3, 2);
+        late.peer_finished(0, 40);
+        late.peer_finished(1, 41);
+        assert!(late.may_start(false));
+        assert_eq!(late.finish_round(true), 40, "as far as the slowest peer");
+        assert!(late.may_start(false), "peer 1 is still ahead");
+        assert_eq!(late.finish_round(true), 41);
+        assert!(!late.may_start(false));
+        assert_eq!(late.finish_round(false), 42, "a computed round counts one");
     }
 }

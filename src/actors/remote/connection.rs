@@ -32,19 +32,29 @@ pub struct Connection {
     out: UnboundedSender<Frame>,
     tasks: [JoinHandle<()>; 2],
     counters: Arc<LinkCounters>,
+    /// Frames read before this link opened (the counters outlive links).
+    frames_before: u64,
+    /// How long the peer may stay silent before its first frame.
+    first_within: Duration,
     pub generation: u64,
     pub peer: String,
 }
 
 impl Connection {
     /// Starts reading and writing `link` (on the current arbiter), counting into `counters`;
-    /// what is read, and the link's end, go to `to` tagged with `generation`.
+    /// what is read, and the link's end, go to `to` tagged with `generation`. The peer's
+    /// first frame may take `first_within` (a front starts its own models before it reads
+    /// its links); later ones [`LINK_TIMEOUT`].
     pub fn open(
         link: Framed<TcpStream, Codec<Frame>>,
         generation: u64,
         to: Recipient<Incoming>,
         counters: Arc<LinkCounters>,
+        first_within: Duration,
     ) -> Self {
+        let frames_before = counters
+            .frames_in
+            .load(std::sync::atomic::Ordering::Relaxed);
         let peer = link
             .get_ref()
             .peer_addr()
@@ -97,6 +107,8 @@ impl Connection {
             out,
             tasks: [reader, writer],
             counters,
+            frames_before,
+            first_within,
             generation,
             peer,
         }
@@ -109,7 +121,16 @@ impl Connection {
 
     /// Whether the peer has been silent too long.
     pub fn silent(&self) -> bool {
-        self.counters.silence() > LINK_TIMEOUT
+        let heard = self
+            .counters
+            .frames_in
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let limit = if heard == self.frames_before {
+            self.first_within
+        } else {
+            LINK_TIMEOUT
+        };
+        self.counters.silence() > limit
     }
 
     /// The heartbeat: a ping the peer answers.

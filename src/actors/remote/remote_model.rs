@@ -4,6 +4,11 @@
 //! carried until that request's abort, so that when the link is lost each of them fails at
 //! once with an error naming the model; it then reconnects with backoff, and new requests fail
 //! until it is back.
+//!
+//! It also keeps the peers' shared counts whole across a loss: what the lost session had
+//! counted into the active-request estimates is taken back, what this side's models had told
+//! it is told again to the next session, and, in lock-step, it finishes the absent model's
+//! rounds so that the others do not wait for it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,10 +23,12 @@ use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio_util::codec::{Framed, FramedParts};
 
-use super::connection::{Connection, Incoming, HEARTBEAT};
+use super::connection::{Connection, Incoming, HEARTBEAT, LINK_TIMEOUT};
 use super::handshake::{dial, Hello, RemoteFacts, Secret};
 use super::protocol::{Bounds, Codec, Frame, LinkCounters, WirePeer};
-use crate::actors::messages::{Abort, PeerBody, PeerMessage, RequestMeta, Submit, TokenEvent};
+use crate::actors::messages::{
+    Abort, PeerBody, PeerMessage, RequestMeta, Submit, TokenEvent, Tombstones,
+};
 use crate::actors::model_actor::{GetStats, Wire};
 use crate::actors::worker::WorkerStats;
 use crate::routing::{ModelFacts, ModelIndex};
@@ -31,6 +38,8 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// How long a counters request waits for the subserver's answer.
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+/// Aborted requests remembered, so that a handoff an abort overtook is not carried again.
+const TOMBSTONES: usize = 8192;
 
 /// A link opened on another thread, handed to the actor that will serve it: its socket (in
 /// non-blocking mode) and what was read from it past the handshake.
@@ -60,6 +69,14 @@ pub struct RemoteModel {
     peers: Vec<Option<Recipient<PeerMessage>>>,
     /// Requests sent to the subserver and not aborted yet, with their event sinks.
     requests: HashMap<RequestId, Arc<RequestMeta>>,
+    aborted: Tombstones,
+    /// Active-request deltas this side's models sent the remote one, by sender, summed since
+    /// the start: a new session starts from zero and is told the sums.
+    told: Vec<i64>,
+    /// Deltas the current session sent, by addressee: taken back when it is lost.
+    heard: Vec<i64>,
+    /// Lock-step: the last round each model said it finished, told to a new session.
+    rounds: Vec<u64>,
     link: Option<Connection>,
     /// The first link, opened while the runtime started.
     opened: Option<Handover>,
@@ -79,6 +96,10 @@ impl RemoteModel {
             health,
             peers: Vec::new(),
             requests: HashMap::new(),
+            aborted: Tombstones::new(TOMBSTONES),
+            told: Vec::new(),
+            heard: Vec::new(),
+            rounds: Vec::new(),
             link: None,
             opened: Some(opened),
             generation: 0,
@@ -96,9 +117,27 @@ impl RemoteModel {
             self.generation,
             ctx.address().recipient(),
             self.counters.clone(),
+            LINK_TIMEOUT,
         );
         // The first round trip is known at once, not a heartbeat later.
         link.ping();
+        // The session starts from zero: it learns where this side's models stand.
+        for from in (0..self.told.len()).filter(|&i| i != self.spec.index) {
+            let (delta, round) = (self.told[from], self.rounds[from]);
+            if delta != 0 || round > 0 {
+                link.send(Frame::Peer(WirePeer::of(PeerMessage {
+                    from,
+                    to: self.spec.index,
+                    active_delta: delta,
+                    route_prob: None,
+                    body: if round > 0 {
+                        PeerBody::RoundDone(round)
+                    } else {
+                        PeerBody::Counters
+                    },
+                })));
+            }
+        }
         self.link = Some(link);
         self.health.store(true, Ordering::Release);
         self.backoff = FIRST_BACKOFF;
@@ -124,6 +163,16 @@ impl RemoteModel {
         let event = self.unavailable(&format!("the link was lost: {reason}"));
         for (_, meta) in self.requests.drain() {
             meta.sink.send(event.clone());
+        }
+        // The requests the session counted as active have failed, and nothing else will
+        // count them out; in lock-step, the rounds its peers wait for are finished for it.
+        for to in (0..self.heard.len()).filter(|&i| i != self.spec.index) {
+            let (delta, round) = (std::mem::take(&mut self.heard[to]), self.rounds[to]);
+            if round > 0 {
+                self.answer(to, -delta, PeerBody::RoundDone(round));
+            } else if delta != 0 {
+                self.answer(to, -delta, PeerBody::Counters);
+            }
         }
         self.stats.clear();
         self.reconnect(ctx);
@@ -164,6 +213,19 @@ impl RemoteModel {
         });
     }
 
+    /// A message to this side's model `to`, as if from the remote model.
+    fn answer(&self, to: ModelIndex, active_delta: i64, body: PeerBody) {
+        if let Some(Some(peer)) = self.peers.get(to) {
+            peer.do_send(PeerMessage {
+                from: self.spec.index,
+                to,
+                active_delta,
+                route_prob: None,
+                body,
+            });
+        }
+    }
+
     fn deliver(&mut self, frame: Frame, ctx: &mut Context<Self>) {
         if let Err(e) = frame.validate(self.spec.bounds) {
             return self.lost(&format!("malformed frame: {e}"), ctx);
@@ -174,8 +236,18 @@ impl RemoteModel {
                     meta.sink.send(event);
                 }
             }
+            Frame::Peer(p) if p.from != self.spec.index || p.to == self.spec.index => self.lost(
+                &format!(
+                    "malformed frame: a message from model {} to model {}",
+                    p.from, p.to
+                ),
+                ctx,
+            ),
             Frame::Peer(p) => {
                 let to = p.to;
+                if let Some(heard) = self.heard.get_mut(to) {
+                    *heard += p.active_delta;
+                }
                 let requests = &self.requests;
                 let msg = p.into_message(|w| requests.get(&w.id).cloned());
                 if let Some(Some(peer)) = self.peers.get(to).filter(|_| to != self.spec.index) {
@@ -220,6 +292,8 @@ impl Handler<Wire> for RemoteModel {
     type Result = ();
     fn handle(&mut self, msg: Wire, _: &mut Context<Self>) {
         self.peers = msg.0.into_iter().map(Some).collect();
+        let n = self.peers.len();
+        (self.told, self.heard, self.rounds) = (vec![0; n], vec![0; n], vec![0; n]);
     }
 }
 
@@ -253,13 +327,25 @@ impl Handler<Submit> for RemoteModel {
 impl Handler<PeerMessage> for RemoteModel {
     type Result = ();
     fn handle(&mut self, msg: PeerMessage, _: &mut Context<Self>) {
+        if let Some(told) = self.told.get_mut(msg.from) {
+            *told += msg.active_delta;
+        }
         let meta = match &msg.body {
-            PeerBody::Handoff(h) => Some(h.meta.clone()),
-            PeerBody::RoundDone(_) | PeerBody::Counters => None,
+            PeerBody::Handoff(h) if !self.aborted.contains(&h.meta.id) => Some(h.meta.clone()),
+            PeerBody::Handoff(_) | PeerBody::Counters => None,
+            PeerBody::RoundDone(round) => {
+                if let Some(r) = self.rounds.get_mut(msg.from) {
+                    *r = (*r).max(*round);
+                }
+                None
+            }
         };
         let Some(link) = &self.link else {
             if let Some(meta) = meta {
                 meta.sink.send(self.unavailable("not connected"));
+            } else if let PeerBody::RoundDone(round) = msg.body {
+                // The absent model takes part in no round: its peers do not wait for it.
+                self.answer(msg.from, 0, PeerBody::RoundDone(round));
             }
             return;
         };
@@ -274,6 +360,7 @@ impl Handler<Abort> for RemoteModel {
     type Result = ();
     fn handle(&mut self, msg: Abort, _: &mut Context<Self>) {
         self.requests.remove(&msg.id);
+        self.aborted.insert(msg.id);
         if let Some(link) = &self.link {
             link.send(Frame::Abort(msg.id));
         }

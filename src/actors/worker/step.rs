@@ -72,7 +72,7 @@ impl ModelWorker {
             self.sched.publish_prefixes(&self.prefixes);
         }
         if self.stepping == Stepping::Sync {
-            let round = self.lockstep.finish_round();
+            let round = self.lockstep.finish_round(plan.items.is_empty());
             for peer in self.peers() {
                 self.send(peer, PeerBody::RoundDone(round));
             }
