@@ -16,6 +16,7 @@ use tokio::net::TcpStream;
 use tokio_util::codec::Framed;
 
 use super::connection::{Connection, Incoming, HEARTBEAT};
+use super::handshake::SESSION_START_TIMEOUT;
 use super::protocol::{Bounds, Codec, Frame, WirePeer};
 use crate::actors::messages::{Abort, EventSink, PeerMessage, Submit, TokenEvent};
 use crate::actors::model_actor::{GetStats, ModelActor};
@@ -45,6 +46,22 @@ impl EventSink for LinkSink {
     }
 }
 
+/// A subserver taken by one front: released when dropped, whatever ends the session.
+pub struct Claim(Arc<AtomicBool>);
+
+impl Claim {
+    /// Takes `busy`, unless another front holds it.
+    pub fn take(busy: &Arc<AtomicBool>) -> Option<Self> {
+        (!busy.swap(true, Ordering::AcqRel)).then(|| Self(busy.clone()))
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 impl Session {
     /// Stops the model actor and its device, and frees the subserver for another front.
     pub fn stop(&mut self) {
@@ -52,7 +69,7 @@ impl Session {
             arbiter.stop();
             let _ = arbiter.join();
         }
-        self.busy.store(false, Ordering::Release);
+        self.claim = None;
     }
 }
 
@@ -63,8 +80,8 @@ pub struct Session {
     pub bounds: Bounds,
     /// The model actor's and its device's threads, stopped with the link.
     pub arbiters: Vec<Arbiter>,
-    /// Cleared when the session ends, so that another front may connect.
-    pub busy: Arc<AtomicBool>,
+    /// Released when the session ends, so that another front may connect.
+    pub claim: Option<Claim>,
 }
 
 pub struct FrontLink {
@@ -109,7 +126,7 @@ impl FrontLink {
                     prompt,
                 });
             }
-            Frame::Peer(p) if p.to == self.session.index => {
+            Frame::Peer(p) if p.to == self.session.index && p.from != p.to => {
                 let msg = p.into_message(|m| {
                     let sink = self.sink(m.id, ctx);
                     Some(Arc::new(m.with_sink(sink)))
@@ -117,7 +134,10 @@ impl FrontLink {
                 self.session.model.do_send(msg);
             }
             Frame::Peer(p) => self.close(
-                &format!("a message for model {}, which is not hosted here", p.to),
+                &format!(
+                    "malformed frame: a message from model {} to model {} (this subserver hosts model {})",
+                    p.from, p.to, self.session.index
+                ),
                 ctx,
             ),
             Frame::Abort(id) => model.do_send(Abort { id }),
@@ -142,11 +162,17 @@ impl Actor for FrontLink {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         let link = self.opened.take().expect("opened once");
-        let link = Connection::open(link, 1, ctx.address().recipient(), Arc::default());
+        let link = Connection::open(
+            link,
+            1,
+            ctx.address().recipient(),
+            Arc::default(),
+            SESSION_START_TIMEOUT,
+        );
         tracing::info!(front = %link.peer, "serving a front server");
         self.link = Some(link);
         ctx.run_interval(HEARTBEAT, |act, ctx| match &act.link {
-            Some(link) if link.silent() => act.close("no frame for 3 s", ctx),
+            Some(link) if link.silent() => act.close("the front server fell silent", ctx),
             Some(link) => link.ping(),
             None => {}
         });

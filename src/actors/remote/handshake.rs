@@ -394,7 +394,8 @@ pub async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
     hello: &Hello,
 ) -> Result<Greeted<S>, HandshakeError> {
     let handshake = async {
-        let mut link: Link<S> = Framed::new(io, Codec::default());
+        // Until the subserver proves the secret, this side buffers no more than it would.
+        let mut link: Link<S> = Framed::new(io, Codec::small());
         let theirs = match next(&mut link).await? {
             Handshake::Challenge {
                 magic: MAGIC,
@@ -420,6 +421,8 @@ pub async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
             Handshake::Accepted { .. } => return Err(HandshakeError::WrongSecret),
             other => return Err(unexpected(other)),
         }
+        // The welcome may carry a vocabulary.
+        let mut link = link.map_codec(|_| Codec::default());
         link.send(Handshake::Hello(hello.clone())).await?;
         match next(&mut link).await? {
             Handshake::Welcome(welcome) => Ok(Greeted { link, welcome }),

@@ -261,7 +261,16 @@ impl Frame {
                     tokens("token", &[*token])
                 }
                 TokenEvent::Moved { from, to } => model("from", *from).and(model("to", *to)),
-                TokenEvent::Verified { model: m, .. } => model("verified", *m),
+                TokenEvent::Verified {
+                    model: m,
+                    drafted,
+                    accepted,
+                } => {
+                    model("verified", *m)?;
+                    (*drafted <= crate::config::MAX_DRAFT_TOKENS && accepted <= drafted)
+                        .then_some(())
+                        .ok_or_else(|| format!("{accepted} of {drafted} drafts accepted"))
+                }
                 TokenEvent::Finished { .. } | TokenEvent::Failed { .. } => Ok(()),
             },
             Frame::Abort(_)
@@ -613,5 +622,16 @@ mod tests {
             event: TokenEvent::Token { token: 1, model: 9 },
         };
         assert!(err(event).contains("model 9"));
+        let verified = |drafted, accepted| Frame::Event {
+            id: 1,
+            event: TokenEvent::Verified {
+                model: 1,
+                drafted,
+                accepted,
+            },
+        };
+        assert_eq!(verified(4, 4).validate(bounds()), Ok(()));
+        assert!(err(verified(4, 5)).contains("5 of 4"));
+        assert!(err(verified(1000, 3)).contains("of 1000"));
     }
 }

@@ -168,19 +168,23 @@ fn open_links(
             greeted.push((*i, g));
         }
         let all: Vec<ModelFacts> = facts.into_iter().map(Option::unwrap_or_default).collect();
-        let mut out = Vec::new();
-        for (i, g) in greeted {
-            let welcome = g.welcome.clone();
-            let parts = g
-                .start(all.clone())
-                .await
-                .map_err(|e| (i, e.to_string()))?
-                .into_parts();
-            let stream = parts.io.into_std().map_err(|e| (i, e.to_string()))?;
-            // Frames the subserver sent once ready may be read already: they go along.
-            let read = parts.read_buf;
-            out.push((welcome, Handover { stream, read }));
-        }
-        Ok(out)
+        // Every subserver starts its session at once: each waits for its start only as long
+        // as a handshake may take, however long another's session takes to start.
+        let starting = greeted.into_iter().map(|(i, g)| {
+            let all = all.clone();
+            async move {
+                let welcome = g.welcome.clone();
+                let parts = g
+                    .start(all)
+                    .await
+                    .map_err(|e| (i, e.to_string()))?
+                    .into_parts();
+                let stream = parts.io.into_std().map_err(|e| (i, e.to_string()))?;
+                // Frames the subserver sent once ready may be read already: they go along.
+                let read = parts.read_buf;
+                Ok((welcome, Handover { stream, read }))
+            }
+        });
+        futures_util::future::try_join_all(starting).await
     })
 }

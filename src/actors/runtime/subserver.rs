@@ -7,20 +7,25 @@
 use std::cell::Cell;
 use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 
 use actix::{AsyncContext, Context};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::remotes::facts_of;
 use super::start::{load_model, start_local};
 use super::*;
-use crate::actors::remote::front_link::{FrontLink, Session};
+use crate::actors::remote::front_link::{Claim, FrontLink, Session};
 use crate::actors::remote::handshake::{
     accept, settings, vocab_digest, Accepted, Hello, RemoteFacts, Secret, Welcome, WireVocabulary,
 };
 use crate::actors::remote::protocol::Bounds;
 use crate::model::MatmulBackend;
+
+/// Handshakes under way at once, at most.
+const MAX_PENDING: usize = 64;
+/// The pause after a failed accept.
+const ACCEPT_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How a subserver is started.
 pub struct SubserverArgs {
@@ -115,20 +120,34 @@ pub fn run_subserver(
         println!("subserver '{}' listening on {local}", args.model);
         let _ = std::io::stdout().flush();
         tracing::info!(model = %args.model, %local, "subserver listening");
+        let pending = Arc::new(Semaphore::new(MAX_PENDING));
         loop {
             match listener.accept().await {
                 Ok((stream, peer)) => {
+                    // A flood of peers that never finish their handshake costs this many
+                    // sockets at most; the rest are closed at once.
+                    let Ok(permit) = pending.clone().try_acquire_owned() else {
+                        tracing::warn!(%peer, "refused a peer: {MAX_PENDING} handshakes are under way");
+                        continue;
+                    };
                     let _ = stream.set_nodelay(true);
-                    actix::spawn(serve_front(stream, peer, host.clone()));
+                    let host = host.clone();
+                    actix::spawn(async move {
+                        serve_front(stream, peer, host, permit).await;
+                    });
                 }
-                Err(e) => tracing::warn!("accepting a connection failed: {e}"),
+                Err(e) => {
+                    // Out of descriptors, say: retrying at once would only spin.
+                    tracing::warn!("accepting a connection failed: {e}");
+                    tokio::time::sleep(ACCEPT_PAUSE).await;
+                }
             }
         }
     })
 }
 
 impl Host {
-    fn check(&self, hello: &Hello) -> Result<Welcome, String> {
+    fn check(&self, hello: &Hello) -> Result<(Welcome, Claim), String> {
         let names: Vec<String> = self.config.models.iter().map(|m| m.name.clone()).collect();
         let name = &names[self.index];
         if hello.models != names {
@@ -154,14 +173,14 @@ impl Host {
                 hello.settings, self.settings
             ));
         }
-        if self.busy.swap(true, Ordering::AcqRel) {
-            return Err("busy: this subserver serves another front server".into());
-        }
-        Ok(Welcome {
+        let claim = Claim::take(&self.busy)
+            .ok_or_else(|| "busy: this subserver serves another front server".to_string())?;
+        let welcome = Welcome {
             facts: self.welcome,
             vocab: self.vocab,
             vocabulary: hello.wants_vocabulary.then(|| self.vocabulary.clone()),
-        })
+        };
+        Ok((welcome, claim))
     }
 
     /// Starts the model's session for a front with every model's `facts`; the link actor
@@ -169,6 +188,7 @@ impl Host {
     fn start_session(
         &self,
         facts: &[crate::routing::ModelFacts],
+        claim: Claim,
         ctx: &Context<FrontLink>,
     ) -> Result<Session, RuntimeError> {
         let router = crate::routing::build(&self.config, facts)?;
@@ -182,31 +202,34 @@ impl Host {
             model,
             bounds: self.bounds,
             arbiters: started.arbiters,
-            busy: self.busy.clone(),
+            claim: Some(claim),
         })
     }
 }
 
-async fn serve_front(stream: TcpStream, peer: SocketAddr, host: Arc<Host>) {
-    let claimed = Cell::new(false);
+async fn serve_front(
+    stream: TcpStream,
+    peer: SocketAddr,
+    host: Arc<Host>,
+    pending: OwnedSemaphorePermit,
+) {
+    let claim = Cell::new(None);
     let accepted = accept(stream, &host.secret, |hello| {
-        let welcome = host.check(hello)?;
-        claimed.set(true);
+        let (welcome, taken) = host.check(hello)?;
+        claim.set(Some(taken));
         Ok(welcome)
     })
     .await;
     let accepted: Accepted<TcpStream> = match accepted {
         Ok(accepted) => accepted,
-        Err(e) => {
-            tracing::warn!(%peer, "refused a peer: {e}");
-            if claimed.get() {
-                host.busy.store(false, Ordering::Release);
-            }
-            return;
-        }
+        Err(e) => return tracing::warn!(%peer, "refused a peer: {e}"),
     };
+    drop(pending);
+    let claim = claim
+        .take()
+        .expect("a front is accepted once its hello is taken");
     let ctx = Context::<FrontLink>::new();
-    let mut session = match host.start_session(&accepted.facts, &ctx) {
+    let mut session = match host.start_session(&accepted.facts, claim, &ctx) {
         Ok(session) => session,
         Err(e) => {
             tracing::error!(%peer, "cannot start a session: {e}");
@@ -214,7 +237,6 @@ async fn serve_front(stream: TcpStream, peer: SocketAddr, host: Arc<Host>) {
                 .link
                 .refuse(format!("cannot start a session: {e}"))
                 .await;
-            host.busy.store(false, Ordering::Release);
             return;
         }
     };
