@@ -131,6 +131,18 @@ pub struct ModelEntry {
     /// bytes; relative paths are resolved against the config file).
     #[serde(default)]
     pub secret_file: Option<PathBuf>,
+    /// TLS for the `remote` link: the CA (PEM) that signed the subserver's certificate.
+    #[serde(default)]
+    pub tls_ca: Option<PathBuf>,
+    /// The certificate (PEM) this front presents to a subserver that asks for one
+    /// (`--tls-client-ca`), with `tls_key`; it stands in for `secret_file`.
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
+    /// The name the subserver's certificate must bear (default: the host part of `remote`).
+    #[serde(default)]
+    pub tls_server_name: Option<String>,
 }
 
 fn default_batch_threshold() -> usize {
@@ -258,8 +270,14 @@ impl Config {
             if m.path.is_relative() && !m.path.as_os_str().is_empty() {
                 m.path = base.join(&m.path);
             }
-            if let Some(secret) = m.secret_file.as_mut().filter(|p| p.is_relative()) {
-                *secret = base.join(&*secret);
+            let files = [
+                &mut m.secret_file,
+                &mut m.tls_ca,
+                &mut m.tls_cert,
+                &mut m.tls_key,
+            ];
+            for file in files.into_iter().flatten().filter(|p| p.is_relative()) {
+                *file = base.join(&*file);
             }
         }
         if let Some(router) = config.routing.router_path().filter(|p| p.is_relative()) {
@@ -282,6 +300,10 @@ impl Config {
                 random: None,
                 remote: None,
                 secret_file: None,
+                tls_ca: None,
+                tls_cert: None,
+                tls_key: None,
+                tls_server_name: None,
             }],
             kv_cache: KvCacheSettings::default(),
             memory: MemorySettings::default(),
@@ -334,11 +356,30 @@ impl Config {
                         "models[{i}].remote = \"{remote}\": expected HOST:PORT, as the subserver's --listen"
                     ));
                 }
-                if m.secret_file.is_none() {
+                if m.tls_cert.is_some() != m.tls_key.is_some() {
                     return Err(format!(
-                        "models[{i}].remote needs secret_file: a subserver accepts only peers that prove its shared secret"
+                        "models[{i}]: tls_cert and tls_key go together (the certificate and its private key)"
                     ));
                 }
+                if m.tls_cert.is_some() && m.tls_ca.is_none() {
+                    return Err(format!(
+                        "models[{i}]: tls_cert needs tls_ca, the CA that signed the subserver's certificate"
+                    ));
+                }
+                if m.secret_file.is_none() && m.tls_cert.is_none() {
+                    return Err(format!(
+                        "models[{i}].remote needs secret_file (or tls_ca, tls_cert and tls_key): a subserver accepts only peers that prove its shared secret or present a certificate it trusts"
+                    ));
+                }
+            } else if m.secret_file.is_some()
+                || m.tls_ca.is_some()
+                || m.tls_cert.is_some()
+                || m.tls_server_name.is_some()
+            {
+                return Err(format!(
+                    "models[{i}] ('{}'): secret_file and the tls_ settings are for a `remote` model",
+                    m.name
+                ));
             }
             if m.threads == Some(0) {
                 return Err(format!(

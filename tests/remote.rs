@@ -19,7 +19,7 @@ use common::oracle::{routed_greedy, OracleToken};
 use common::runtime::{
     collect, every_prompt, greedy, prompts, rules, tiny_pair, with_runtime, Pair,
 };
-use tokenrouter::actors::remote::handshake::{dial, vocab_digest, Hello, Secret};
+use tokenrouter::actors::remote::handshake::{dial, vocab_digest, Hello, LinkAuth, Secret};
 use tokenrouter::actors::remote::protocol::{Codec, Frame, WireMeta};
 use tokenrouter::actors::{RequestEvent, Runtime};
 use tokenrouter::config::Config;
@@ -67,11 +67,18 @@ impl Subserver {
 
     fn hosting(model: &str, config: &Path, listen: &str) -> Self {
         let binary = &mut Command::new(env!("CARGO_BIN_EXE_tokenrouter"));
-        Self::start_in(binary, model, config, listen)
+        Self::start_in(binary, model, config, listen, &secret_args(config))
     }
 
-    /// Started by `command` (the binary, or a wrapper such as `ip netns exec`).
-    fn start_in(command: &mut Command, model: &str, config: &Path, listen: &str) -> Self {
+    /// Started by `command` (the binary, or a wrapper such as `ip netns exec`), with `auth`,
+    /// the options that say how fronts are authenticated.
+    fn start_in(
+        command: &mut Command,
+        model: &str,
+        config: &Path,
+        listen: &str,
+        auth: &[PathBuf],
+    ) -> Self {
         let dir = config.parent().unwrap();
         let log = dir.join(format!(
             "subserver-{model}-{}.log",
@@ -81,8 +88,7 @@ impl Subserver {
             .args(["subserver", "--model", model, "--listen", listen])
             .arg("--config")
             .arg(config)
-            .arg("--secret-file")
-            .arg(dir.join("secret"))
+            .args(auth)
             .env("TOKENROUTER_COMPUTE_THREADS", "1")
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -107,6 +113,14 @@ impl Subserver {
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap()
     }
+}
+
+/// The subserver's options for the test pair's shared secret (next to `config`).
+fn secret_args(config: &Path) -> Vec<PathBuf> {
+    vec![
+        "--secret-file".into(),
+        config.parent().unwrap().join("secret"),
+    ]
 }
 
 impl Drop for Subserver {
@@ -289,7 +303,10 @@ fn peers_without_the_secret_http_clients_and_garbage_are_refused_undisturbing() 
     // Peers that prove the secret and then send malformed frames lose their link; each
     // malformed frame is one session's last.
     let config = front(&pair, "front.toml", &sub.addr, &routing);
-    let secret = Secret::new(SECRET.into()).unwrap();
+    let auth = LinkAuth {
+        secret: Some(Secret::new(SECRET.into()).unwrap()),
+        tls: None,
+    };
     let vocab = vocab_digest(&pair.models[0].tokenizer);
     let hello = Hello::new(&config, 1, Some(vocab), false);
     let facts = vec![ModelFacts::default(); 2];
@@ -342,7 +359,7 @@ fn peers_without_the_secret_http_clients_and_garbage_are_refused_undisturbing() 
         .unwrap();
     for (k, bytes) in fuzzed.iter().enumerate() {
         let closed = io.block_on(async {
-            let link = dial(&sub.addr, &secret, &hello).await.unwrap();
+            let link = dial(&sub.addr, &auth, &hello).await.unwrap();
             let mut stream = link.start(facts.clone()).await.unwrap().into_inner();
             stream.write_all(bytes).await.unwrap();
             let mut buf = vec![0u8; 1 << 16];
@@ -722,6 +739,7 @@ fn routed_output_across_two_network_namespaces_equals_the_in_process_runtime() {
         "llm",
         &local,
         &format!("{}:0", hosts.addrs[0]),
+        &secret_args(&local),
     );
     assert!(sub.addr.starts_with(&hosts.addrs[0]), "{}", sub.addr);
     let front = write_config(dir, "front.toml", Some(&sub.addr), &routing);
@@ -735,4 +753,140 @@ fn routed_output_across_two_network_namespaces_equals_the_in_process_runtime() {
         .and_then(|s| s.split([',', ';']).next())
         .and_then(|n| n.trim().parse::<usize>().ok());
     assert!(llm.is_some_and(|n| n > 0), "{stderr}");
+}
+
+/// A CA and the certificates a test signs with it, as PEM files in `dir`.
+struct Pki {
+    ca: (rcgen::Certificate, rcgen::KeyPair),
+}
+
+impl Pki {
+    fn new(dir: &Path, name: &str) -> Self {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, format!("{name} CA"));
+        let cert = params.self_signed(&key).unwrap();
+        std::fs::write(dir.join(format!("{name}-ca.pem")), cert.pem()).unwrap();
+        Self { ca: (cert, key) }
+    }
+
+    /// Writes `NAME.pem` and `NAME.key`: a certificate for `names` (DNS names or IP
+    /// addresses), for a server or a client.
+    fn sign(&self, dir: &Path, name: &str, names: &[&str], server: bool) -> [PathBuf; 2] {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let mut params = rcgen::CertificateParams::new(names).unwrap();
+        params.extended_key_usages = vec![if server {
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth
+        } else {
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth
+        }];
+        let cert = params.signed_by(&key, &self.ca.0, &self.ca.1).unwrap();
+        let files = [
+            dir.join(format!("{name}.pem")),
+            dir.join(format!("{name}.key")),
+        ];
+        std::fs::write(&files[0], cert.pem()).unwrap();
+        std::fs::write(&files[1], key.serialize_pem()).unwrap();
+        files
+    }
+}
+
+#[test]
+fn mutual_tls_stands_in_for_the_secret_and_refuses_untrusted_fronts() {
+    let pair = tiny_pair();
+    let models = [&pair.models[0].model, &pair.models[1].model];
+    let [(rule, routing), _] = rules(&pair);
+    let dir = pair.dir.path();
+    let (pki, rogue) = (Pki::new(dir, "link"), Pki::new(dir, "rogue"));
+    let [cert, key] = pki.sign(dir, "subserver", &["127.0.0.1", "localhost"], true);
+    let [front_cert, front_key] = pki.sign(dir, "front", &["front"], false);
+    let [rogue_cert, rogue_key] = rogue.sign(dir, "intruder", &["front"], false);
+    let rest = format!("{routing}[scheduler]\nmode = \"delayed\"\n");
+    let local = write_config(dir, "tls-sub.toml", None, &rest);
+    // Fronts are authenticated by their certificate alone: no secret on either side.
+    let tls = [
+        "--tls-cert".into(),
+        cert,
+        "--tls-key".into(),
+        key,
+        "--tls-client-ca".into(),
+        dir.join("link-ca.pem"),
+    ];
+    let binary = &mut Command::new(env!("CARGO_BIN_EXE_tokenrouter"));
+    let sub = Subserver::start_in(binary, "llm", &local, "127.0.0.1:0", &tls);
+    let front_config = |name: &str, identity: &str| {
+        let text = std::fs::read_to_string(&local).unwrap().replacen(
+            "name = \"llm\"\n",
+            &format!(
+                "name = \"llm\"\nremote = \"{}\"\ntls_ca = \"link-ca.pem\"\n{identity}",
+                sub.addr
+            ),
+            1,
+        );
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        Config::load(&path).unwrap()
+    };
+    let refused = |config: &Config| {
+        actix_rt::System::new()
+            .block_on(async { Runtime::start(config, vec![pair.models[0].clone()]).err() })
+            .expect("the front was taken")
+            .to_string()
+    };
+    // A certificate from another CA, and none at all (with a secret the subserver does not
+    // ask for), are refused in the TLS handshake.
+    let intruder = front_config(
+        "intruder.toml",
+        &format!(
+            "tls_cert = \"{}\"\ntls_key = \"{}\"\n",
+            rogue_cert.display(),
+            rogue_key.display()
+        ),
+    );
+    let err = refused(&intruder);
+    assert!(err.contains("model 'llm'") && err.contains("TLS"), "{err}");
+    let anonymous = front_config("anonymous.toml", "secret_file = \"secret\"\n");
+    let err = refused(&anonymous);
+    assert!(err.contains("model 'llm'"), "{err}");
+    // A front that checks the subserver against another CA does not take it.
+    let mut wrong_ca = front_config(
+        "wrong-ca.toml",
+        &format!(
+            "tls_cert = \"{}\"\ntls_key = \"{}\"\n",
+            front_cert.display(),
+            front_key.display()
+        ),
+    );
+    wrong_ca.models[1].tls_ca = Some(dir.join("rogue-ca.pem"));
+    let err = refused(&wrong_ca);
+    assert!(err.contains("TLS"), "{err}");
+    // A plain TCP client (an HTTP request) is closed, unanswered.
+    let mut http = TcpStream::connect(&sub.addr).unwrap();
+    http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    assert!(closes_within(http, Duration::from_secs(8)), "kept open");
+    // The trusted front routes exactly, over TLS.
+    let trusted = front_config(
+        "trusted.toml",
+        &format!(
+            "tls_cert = \"{}\"\ntls_key = \"{}\"\n",
+            front_cert.display(),
+            front_key.display()
+        ),
+    );
+    let max_tokens = 16;
+    let (outcomes, stats) = with_front(&trusted, &pair, async |rt| {
+        every_prompt(rt, max_tokens).await
+    });
+    for (i, (got, p)) in outcomes.iter().zip(prompts()).enumerate() {
+        let want = routed_greedy(models, rule, &p, max_tokens, &[]);
+        assert_eq!(got.tokens, want.tokens, "prompt {i}");
+    }
+    assert!(stats[1].tokens_committed > 0, "{stats:?}");
+    let log = sub.log();
+    assert!(log.matches("refused a peer: TLS").count() >= 3, "{log}");
 }

@@ -21,7 +21,17 @@ pub struct SubserverCliArgs {
     listen: String,
     /// File holding the secret the front must prove (at least 16 bytes).
     #[arg(long, env = "TOKENROUTER_SECRET_FILE")]
-    secret_file: PathBuf,
+    secret_file: Option<PathBuf>,
+    /// TLS: this subserver's certificate (PEM), presented to the front.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS: the certificate's private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// TLS: take only fronts presenting a certificate this CA (PEM) signed; with it,
+    /// --secret-file may be left out.
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
 }
 
 pub fn run(args: SubserverCliArgs, backend: MatmulBackend) -> anyhow::Result<()> {
@@ -30,6 +40,9 @@ pub fn run(args: SubserverCliArgs, backend: MatmulBackend) -> anyhow::Result<()>
         model: args.model,
         listen: args.listen,
         secret_file: args.secret_file,
+        tls_cert: args.tls_cert,
+        tls_key: args.tls_key,
+        tls_client_ca: args.tls_client_ca,
     };
     Ok(run_subserver(config, args, backend)?)
 }

@@ -256,4 +256,17 @@ fn remote_models_need_an_address_and_a_secret() {
     assert!(err("").contains("has no path"));
     assert!(err("remote = \"10.0.0.2:7100\"\n").contains("secret_file"));
     assert!(err("remote = \"10.0.0.2\"\nsecret_file = \"k\"\n").contains("HOST:PORT"));
+    // A client certificate stands in for the secret; its parts come together.
+    let tls = "remote = \"10.0.0.2:7100\"\ntls_ca = \"ca.pem\"\n";
+    let config = load_str(&format!(
+        "{slm}{tls}tls_cert = \"c.pem\"\ntls_key = \"k.pem\"\n"
+    ))
+    .unwrap();
+    let llm = config.model("llm").unwrap();
+    assert!(llm.secret_file.is_none());
+    assert!(llm.tls_key.as_ref().unwrap().is_absolute());
+    assert!(err(&format!("{tls}tls_cert = \"c.pem\"\n")).contains("go together"));
+    assert!(err("remote = \"h:1\"\ntls_cert = \"c\"\ntls_key = \"k\"\n").contains("tls_ca"));
+    assert!(err(tls).contains("secret_file (or tls_ca, tls_cert and tls_key)"));
+    assert!(err("path = \"l.gguf\"\nsecret_file = \"k\"\n").contains("`remote` model"));
 }

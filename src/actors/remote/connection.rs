@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use actix::{Message, Recipient};
 use futures_util::{SinkExt, StreamExt};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::task::JoinHandle;
 use tokio_util::codec::Framed;
 
 use super::protocol::{Codec, Frame, LinkCounters};
+use super::tls::Io;
 
 /// How often a quiet side says it is alive.
 pub const HEARTBEAT: Duration = Duration::from_millis(500);
@@ -41,12 +41,13 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Starts reading and writing `link` (on the current arbiter), counting into `counters`;
+    /// Starts reading and writing `link` to `peer` (on the current arbiter), counting into `counters`;
     /// what is read, and the link's end, go to `to` tagged with `generation`. The peer's
     /// first frame may take `first_within` (a front starts its own models before it reads
     /// its links); later ones [`LINK_TIMEOUT`].
     pub fn open(
-        link: Framed<TcpStream, Codec<Frame>>,
+        link: Framed<Io, Codec<Frame>>,
+        peer: String,
         generation: u64,
         to: Recipient<Incoming>,
         counters: Arc<LinkCounters>,
@@ -55,10 +56,6 @@ impl Connection {
         let frames_before = counters
             .frames_in
             .load(std::sync::atomic::Ordering::Relaxed);
-        let peer = link
-            .get_ref()
-            .peer_addr()
-            .map_or_else(|_| "?".into(), |a| a.to_string());
         counters.heard();
         let link = link.map_codec(|_| Codec::counted(counters.clone()));
         let (mut sink, mut stream) = link.split();

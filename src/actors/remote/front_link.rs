@@ -12,12 +12,12 @@ use actix::{
     Actor, ActorContext, ActorFutureExt, Addr, Arbiter, AsyncContext, Context, Handler, Message,
     Recipient, WrapFuture,
 };
-use tokio::net::TcpStream;
 use tokio_util::codec::Framed;
 
 use super::connection::{Connection, Incoming, HEARTBEAT};
 use super::handshake::SESSION_START_TIMEOUT;
 use super::protocol::{Bounds, Codec, Frame, WirePeer};
+use super::tls::Io;
 use crate::actors::messages::{Abort, EventSink, PeerMessage, Submit, TokenEvent};
 use crate::actors::model_actor::{GetStats, ModelActor};
 use crate::routing::ModelIndex;
@@ -87,15 +87,16 @@ pub struct Session {
 pub struct FrontLink {
     session: Session,
     link: Option<Connection>,
-    opened: Option<Framed<TcpStream, Codec<Frame>>>,
+    opened: Option<(Framed<Io, Codec<Frame>>, String)>,
 }
 
 impl FrontLink {
-    pub fn new(session: Session, link: Framed<TcpStream, Codec<Frame>>) -> Self {
+    /// Serves `link` to the front at `peer`.
+    pub fn new(session: Session, link: Framed<Io, Codec<Frame>>, peer: String) -> Self {
         Self {
             session,
             link: None,
-            opened: Some(link),
+            opened: Some((link, peer)),
         }
     }
 
@@ -161,9 +162,10 @@ impl Actor for FrontLink {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        let link = self.opened.take().expect("opened once");
+        let (link, peer) = self.opened.take().expect("opened once");
         let link = Connection::open(
             link,
+            peer,
             1,
             ctx.address().recipient(),
             Arc::default(),

@@ -1,8 +1,10 @@
 //! Opening a link. Before any model message, each side proves it holds the shared secret
 //! without sending it (challenge–response: HMAC-SHA256 over both sides' fresh nonces, under a
-//! different label for each direction), then the front says which model it expects and the
-//! subserver answers with that model's facts, or refuses naming what differs. Last, the front
-//! gives every model's facts, from which the subserver builds the routing algorithm.
+//! different label for each direction); a subserver that authenticates fronts by their TLS
+//! certificate instead ([`super::tls`]) may go without a secret, and says so in its challenge.
+//! Then the front says which model it expects and the subserver answers with that model's
+//! facts, or refuses naming what differs. Last, the front gives every model's facts, from
+//! which the subserver builds the routing algorithm.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -16,12 +18,13 @@ use tokio::net::TcpStream;
 use tokio_util::codec::Framed;
 
 use super::protocol::{Codec, Frame, ProtocolError};
+use super::tls::{ClientTls, Io};
 use crate::config::Config;
 use crate::model::{ChatTemplate, SpecialTokens, Vocabulary};
 use crate::routing::{ModelFacts, ModelIndex};
 
 /// Both sides must speak the same version; any change to a frame's layout changes it.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 const MAGIC: [u8; 8] = *b"tkrouter";
 /// How long a peer has to complete the handshake (a silent peer holds nothing longer).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -212,14 +215,18 @@ enum Handshake {
         magic: [u8; 8],
         version: u32,
         nonce: [u8; 32],
+        /// Whether the front must prove the shared secret.
+        proof: bool,
     },
     Response {
         version: u32,
         nonce: [u8; 32],
-        mac: [u8; 32],
+        /// The proof, from a front that has a secret.
+        mac: Option<[u8; 32]>,
     },
     Accepted {
-        mac: [u8; 32],
+        /// The subserver's proof, when it has a secret.
+        mac: Option<[u8; 32]>,
     },
     Hello(Hello),
     Welcome(Welcome),
@@ -245,6 +252,10 @@ pub enum HandshakeError {
     Version(u32),
     #[error("the peer did not prove the shared secret")]
     WrongSecret,
+    #[error("the subserver asks for the shared secret, and this side has none (set the model's secret_file)")]
+    NoSecret,
+    #[error("TLS: {0}")]
+    Tls(std::io::Error),
     #[error("refused: {0}")]
     Refused(String),
 }
@@ -307,9 +318,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Starting<S> {
 
 /// The subserver's side: `check` answers the front's hello with this model's welcome, or
 /// says why they do not match.
+/// Without `secret` the front's certificate must have been checked (mutual TLS).
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     io: S,
-    secret: &Secret,
+    secret: Option<&Secret>,
     check: impl FnOnce(&Hello) -> Result<Welcome, String>,
 ) -> Result<Accepted<S>, HandshakeError> {
     let handshake = async {
@@ -321,6 +333,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
             magic: MAGIC,
             version: PROTOCOL_VERSION,
             nonce: ours,
+            proof: secret.is_some(),
         })
         .await?;
         let (theirs, mac) = match next(&mut link).await? {
@@ -334,11 +347,13 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
             }
             other => return Err(unexpected(other)),
         };
-        if !secret.verify(CLIENT, &ours, &theirs, &mac) {
-            return Err(refuse(&mut link, HandshakeError::WrongSecret).await);
+        if let Some(secret) = secret {
+            if !mac.is_some_and(|mac| secret.verify(CLIENT, &ours, &theirs, &mac)) {
+                return Err(refuse(&mut link, HandshakeError::WrongSecret).await);
+            }
         }
         link.send(Handshake::Accepted {
-            mac: secret.mac(SERVER, &theirs, &ours),
+            mac: secret.map(|s| s.mac(SERVER, &theirs, &ours)),
         })
         .await?;
         let hello = match next(&mut link).await? {
@@ -387,21 +402,23 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Greeted<S> {
     }
 }
 
-/// The front's side, up to the subserver's welcome.
+/// The front's side, up to the subserver's welcome. With `secret` the subserver must prove
+/// it too.
 pub async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
     io: S,
-    secret: &Secret,
+    secret: Option<&Secret>,
     hello: &Hello,
 ) -> Result<Greeted<S>, HandshakeError> {
     let handshake = async {
         // Until the subserver proves the secret, this side buffers no more than it would.
         let mut link: Link<S> = Framed::new(io, Codec::small());
-        let theirs = match next(&mut link).await? {
+        let (theirs, proof) = match next(&mut link).await? {
             Handshake::Challenge {
                 magic: MAGIC,
                 version: PROTOCOL_VERSION,
                 nonce,
-            } => nonce,
+                proof,
+            } => (nonce, proof),
             Handshake::Challenge {
                 magic: MAGIC,
                 version,
@@ -409,17 +426,22 @@ pub async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
             } => return Err(HandshakeError::Version(version)),
             other => return Err(unexpected(other)),
         };
+        if proof && secret.is_none() {
+            return Err(HandshakeError::NoSecret);
+        }
         let ours = nonce();
         link.send(Handshake::Response {
             version: PROTOCOL_VERSION,
             nonce: ours,
-            mac: secret.mac(CLIENT, &theirs, &ours),
+            mac: secret.map(|s| s.mac(CLIENT, &theirs, &ours)),
         })
         .await?;
-        match next(&mut link).await? {
-            Handshake::Accepted { mac } if secret.verify(SERVER, &ours, &theirs, &mac) => {}
-            Handshake::Accepted { .. } => return Err(HandshakeError::WrongSecret),
-            other => return Err(unexpected(other)),
+        match (next(&mut link).await?, secret) {
+            (Handshake::Accepted { .. }, None) => {}
+            (Handshake::Accepted { mac: Some(mac) }, Some(s))
+                if s.verify(SERVER, &ours, &theirs, &mac) => {}
+            (Handshake::Accepted { .. }, Some(_)) => return Err(HandshakeError::WrongSecret),
+            (other, _) => return Err(unexpected(other)),
         }
         // The welcome may carry a vocabulary.
         let mut link = link.map_codec(|_| Codec::default());
@@ -434,18 +456,43 @@ pub async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
         .map_err(|_| HandshakeError::Timeout)?
 }
 
-/// [`greet`] over a new TCP connection to `addr`.
+/// How a front proves itself to one subserver, and checks it: a shared secret, TLS, or both.
+#[derive(Debug, Default)]
+pub struct LinkAuth {
+    pub secret: Option<Secret>,
+    pub tls: Option<ClientTls>,
+}
+
+/// [`greet`] over a new connection to `addr` (TLS when `auth` says so).
 pub async fn dial(
     addr: &str,
-    secret: &Secret,
+    auth: &LinkAuth,
     hello: &Hello,
-) -> Result<Greeted<TcpStream>, HandshakeError> {
-    let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, TcpStream::connect(addr))
+) -> Result<Greeted<Io>, HandshakeError> {
+    let opening = async {
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(ProtocolError::from)?;
+        stream.set_nodelay(true).map_err(ProtocolError::from)?;
+        match &auth.tls {
+            Some(tls) => tls.connect(stream).await.map_err(HandshakeError::Tls),
+            None => Ok(Box::new(stream) as Io),
+        }
+    };
+    let io = tokio::time::timeout(HANDSHAKE_TIMEOUT, opening)
         .await
-        .map_err(|_| HandshakeError::Timeout)?
-        .map_err(ProtocolError::from)?;
-    stream.set_nodelay(true).map_err(ProtocolError::from)?;
-    greet(stream, secret, hello).await
+        .map_err(|_| HandshakeError::Timeout)??;
+    // A subserver that refuses this side's certificate says so in an alert read here.
+    greet(io, auth.secret.as_ref(), hello)
+        .await
+        .map_err(|e| match e {
+            HandshakeError::Protocol(ProtocolError::Io(e))
+                if e.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()) =>
+            {
+                HandshakeError::Tls(e)
+            }
+            e => e,
+        })
 }
 
 /// A digest of a vocabulary (every token and its id): equal digests, equal vocabularies.
@@ -521,13 +568,13 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 16);
         let (server_secret, client_secret) = (secret(server_secret), secret(client_secret));
         let server = async {
-            let accepted = accept(a, &server_secret, check).await?;
+            let accepted = accept(a, Some(&server_secret), check).await?;
             let (hello, facts) = (accepted.hello, accepted.facts);
             let link = accepted.link.ready().await?;
             Ok::<_, HandshakeError>((hello, facts, link))
         };
         let client = async {
-            let greeted = greet(b, &client_secret, &hello()).await?;
+            let greeted = greet(b, Some(&client_secret), &hello()).await?;
             let facts = greeted.welcome.facts;
             greeted.start(vec![facts.facts; 2]).await?;
             Ok(facts)

@@ -18,14 +18,13 @@ use std::time::Duration;
 use actix::{
     Actor, ActorFutureExt, AsyncContext, Context, Handler, Recipient, ResponseFuture, WrapFuture,
 };
-use bytes::BytesMut;
-use tokio::net::TcpStream;
 use tokio::sync::oneshot;
-use tokio_util::codec::{Framed, FramedParts};
+use tokio_util::codec::Framed;
 
 use super::connection::{Connection, Incoming, HEARTBEAT, LINK_TIMEOUT};
-use super::handshake::{dial, Hello, RemoteFacts, Secret};
+use super::handshake::{dial, Hello, LinkAuth, RemoteFacts};
 use super::protocol::{Bounds, Codec, Frame, LinkCounters, WirePeer};
+use super::tls::Io;
 use crate::actors::messages::{
     Abort, PeerBody, PeerMessage, RequestMeta, Submit, TokenEvent, Tombstones,
 };
@@ -41,19 +40,15 @@ const STATS_TIMEOUT: Duration = Duration::from_secs(2);
 /// Aborted requests remembered, so that a handoff an abort overtook is not carried again.
 const TOMBSTONES: usize = 8192;
 
-/// A link opened on another thread, handed to the actor that will serve it: its socket (in
-/// non-blocking mode) and what was read from it past the handshake.
-pub struct Handover {
-    pub stream: std::net::TcpStream,
-    pub read: BytesMut,
-}
+/// A link opened (on the link runtime, [`super::link_runtime`]) before its actor started.
+pub type Handover = Framed<Io, Codec<Frame>>;
 
 /// What the front needs to open (and reopen) the link to one subserver.
 pub struct RemoteSpec {
     pub index: ModelIndex,
     pub name: String,
     pub addr: String,
-    pub secret: Arc<Secret>,
+    pub auth: LinkAuth,
     pub hello: Hello,
     /// Every model's facts, as the handshake's last message gives them.
     pub facts: Vec<ModelFacts>,
@@ -110,10 +105,11 @@ impl RemoteModel {
         }
     }
 
-    fn attach(&mut self, link: Framed<TcpStream, Codec<Frame>>, ctx: &mut Context<Self>) {
+    fn attach(&mut self, link: Handover, ctx: &mut Context<Self>) {
         self.generation += 1;
         let link = Connection::open(
             link,
+            self.spec.addr.clone(),
             self.generation,
             ctx.address().recipient(),
             self.counters.clone(),
@@ -184,7 +180,7 @@ impl RemoteModel {
         let spec = self.spec.clone();
         ctx.run_later(delay, move |act, ctx| {
             let opening = async move {
-                let greeted = dial(&spec.addr, &spec.secret, &spec.hello)
+                let greeted = dial(&spec.addr, &spec.auth, &spec.hello)
                     .await
                     .map_err(|e| e.to_string())?;
                 if greeted.welcome.facts != spec.expected {
@@ -271,12 +267,7 @@ impl Actor for RemoteModel {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        let opened = self.opened.take().and_then(|h| {
-            let mut parts = FramedParts::new(TcpStream::from_std(h.stream).ok()?, Codec::default());
-            parts.read_buf = h.read;
-            Some(Framed::from_parts(parts))
-        });
-        match opened {
+        match self.opened.take() {
             Some(link) => self.attach(link, ctx),
             None => self.reconnect(ctx),
         }

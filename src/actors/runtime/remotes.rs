@@ -5,9 +5,11 @@
 
 use super::start::Locals;
 use super::*;
-use crate::actors::remote::handshake::{dial, vocab_digest, Hello, Secret, Welcome};
+use crate::actors::remote::handshake::{dial, vocab_digest, Hello, LinkAuth, Secret, Welcome};
+use crate::actors::remote::link_runtime;
 use crate::actors::remote::protocol::Bounds;
 use crate::actors::remote::remote_model::{Handover, RemoteSpec};
+use crate::actors::remote::tls::{host_of, ClientTls, Identity};
 use crate::model::Vocabulary;
 use crate::routing::ModelFacts;
 
@@ -55,15 +57,12 @@ pub(super) fn open_remotes(config: &Config, locals: &Locals) -> Result<Remotes, 
     let mut dialing = Vec::new();
     for &i in &remote {
         let entry = &config.models[i];
-        let path = entry
-            .secret_file
-            .as_ref()
-            .expect("validated: remote has a secret");
-        let secret = Secret::read(path).map_err(RuntimeError::Config)?;
+        let auth = link_auth(entry)
+            .map_err(|e| RuntimeError::Config(format!("models[{i}] ('{}'): {e}", entry.name)))?;
         // Requests may start on any of them (the routing algorithm decides, later).
         let hello = Hello::new(config, i, vocab, true);
         let addr = entry.remote.clone().expect("remote");
-        dialing.push((i, addr, Arc::new(secret), hello));
+        dialing.push((i, addr, auth, hello));
     }
     let link_error = |i: ModelIndex, error: String| {
         RuntimeError::Config(format!(
@@ -73,8 +72,8 @@ pub(super) fn open_remotes(config: &Config, locals: &Locals) -> Result<Remotes, 
         ))
     };
     // The handshake is async; the runtime's start is not, and may run inside an actix
-    // system's executor, so the links open on a thread of their own and change hands as
-    // plain sockets.
+    // system's executor, so the links open on a thread of their own, driven by the link
+    // runtime.
     let (to_dial, known) = (dialing.clone(), facts.clone());
     let opened = std::thread::spawn(move || open_links(to_dial, known))
         .join()
@@ -111,7 +110,7 @@ pub(super) fn open_remotes(config: &Config, locals: &Locals) -> Result<Remotes, 
         + crate::config::MAX_DRAFT_TOKENS;
     let mut vocabularies = vec![None; n];
     let mut links = Vec::new();
-    for ((index, addr, secret, mut hello), (welcome, link)) in dialing.into_iter().zip(opened) {
+    for ((index, addr, auth, mut hello), (welcome, link)) in dialing.into_iter().zip(opened) {
         let vocabulary = welcome
             .vocabulary
             .ok_or_else(|| "no vocabulary in its welcome".to_string())
@@ -126,7 +125,7 @@ pub(super) fn open_remotes(config: &Config, locals: &Locals) -> Result<Remotes, 
                 index,
                 name: config.models[index].name.clone(),
                 addr,
-                secret,
+                auth: Arc::into_inner(auth).expect("the dialing thread has ended"),
                 hello,
                 facts: all.clone(),
                 expected: welcome.facts,
@@ -146,7 +145,26 @@ pub(super) fn open_remotes(config: &Config, locals: &Locals) -> Result<Remotes, 
     })
 }
 
-type Dialing = Vec<(ModelIndex, String, Arc<Secret>, Hello)>;
+type Dialing = Vec<(ModelIndex, String, Arc<LinkAuth>, Hello)>;
+
+/// How the front proves itself to the subserver hosting `entry`, and checks it.
+fn link_auth(entry: &crate::config::ModelEntry) -> Result<Arc<LinkAuth>, String> {
+    let secret = entry.secret_file.as_deref().map(Secret::read).transpose()?;
+    let tls = match &entry.tls_ca {
+        Some(ca) => {
+            let identity = entry
+                .tls_cert
+                .as_deref()
+                .zip(entry.tls_key.as_deref())
+                .map(|(cert, key)| Identity { cert, key });
+            let remote = entry.remote.as_deref().unwrap_or_default();
+            let name = entry.tls_server_name.as_deref().unwrap_or(host_of(remote));
+            Some(ClientTls::new(ca, identity, name)?)
+        }
+        None => None,
+    };
+    Ok(Arc::new(LinkAuth { secret, tls }))
+}
 
 /// Greets every subserver, then starts every link with all the facts; returns each link's
 /// welcome and socket, or the index of the model that failed and why.
@@ -154,14 +172,10 @@ fn open_links(
     dialing: Dialing,
     mut facts: Vec<Option<ModelFacts>>,
 ) -> Result<Vec<(Welcome, Handover)>, (ModelIndex, String)> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| (dialing[0].0, format!("cannot start an I/O runtime: {e}")))?;
-    runtime.block_on(async {
+    link_runtime().block_on(async {
         let mut greeted = Vec::new();
-        for (i, addr, secret, hello) in &dialing {
-            let g = dial(addr, secret, hello)
+        for (i, addr, auth, hello) in &dialing {
+            let g = dial(addr, auth, hello)
                 .await
                 .map_err(|e| (*i, e.to_string()))?;
             facts[*i] = Some(g.welcome.facts.facts);
@@ -174,15 +188,10 @@ fn open_links(
             let all = all.clone();
             async move {
                 let welcome = g.welcome.clone();
-                let parts = g
-                    .start(all)
-                    .await
-                    .map_err(|e| (i, e.to_string()))?
-                    .into_parts();
-                let stream = parts.io.into_std().map_err(|e| (i, e.to_string()))?;
-                // Frames the subserver sent once ready may be read already: they go along.
-                let read = parts.read_buf;
-                Ok((welcome, Handover { stream, read }))
+                // Frames the subserver sent once ready may be read already: they go along
+                // in the link's buffer.
+                let link = g.start(all).await.map_err(|e| (i, e.to_string()))?;
+                Ok((welcome, link))
             }
         });
         futures_util::future::try_join_all(starting).await

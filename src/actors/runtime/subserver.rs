@@ -18,8 +18,10 @@ use super::*;
 use crate::actors::remote::front_link::{Claim, FrontLink, Session};
 use crate::actors::remote::handshake::{
     accept, settings, vocab_digest, Accepted, Hello, RemoteFacts, Secret, Welcome, WireVocabulary,
+    HANDSHAKE_TIMEOUT,
 };
 use crate::actors::remote::protocol::Bounds;
+use crate::actors::remote::tls::{Identity, Io, ServerTls};
 use crate::model::MatmulBackend;
 
 /// Handshakes under way at once, at most.
@@ -33,7 +35,35 @@ pub struct SubserverArgs {
     pub model: String,
     /// `HOST:PORT` to listen on (port 0: any free port; the one chosen is printed).
     pub listen: String,
-    pub secret_file: PathBuf,
+    /// The secret fronts must prove.
+    pub secret_file: Option<PathBuf>,
+    /// TLS: this subserver's certificate and key (PEM).
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// TLS: fronts must present a certificate this CA signed.
+    pub tls_client_ca: Option<PathBuf>,
+}
+
+impl SubserverArgs {
+    /// How fronts are authenticated, and the link encrypted; the error says what to fix.
+    fn auth(&self) -> Result<(Option<Secret>, Option<ServerTls>), String> {
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(ServerTls::new(
+                Identity { cert, key },
+                self.tls_client_ca.as_deref(),
+            )?),
+            (None, None) if self.tls_client_ca.is_some() => {
+                return Err("--tls-client-ca needs --tls-cert and --tls-key".into())
+            }
+            (None, None) => None,
+            _ => return Err("--tls-cert and --tls-key go together".into()),
+        };
+        if self.secret_file.is_none() && self.tls_client_ca.is_none() {
+            return Err("no way to authenticate a front: give --secret-file, or --tls-client-ca (with --tls-cert and --tls-key), or both".into());
+        }
+        let secret = self.secret_file.as_deref().map(Secret::read).transpose()?;
+        Ok((secret, tls))
+    }
 }
 
 /// What every connection is checked against and served with.
@@ -41,7 +71,9 @@ struct Host {
     config: Config,
     index: ModelIndex,
     model: Arc<LoadedModel>,
-    secret: Secret,
+    /// Each is required of a front when present.
+    secret: Option<Secret>,
+    tls: Option<ServerTls>,
     welcome: RemoteFacts,
     vocab: [u8; 32],
     vocabulary: WireVocabulary,
@@ -71,7 +103,7 @@ pub fn run_subserver(
             args.model
         )));
     }
-    let secret = Secret::read(&args.secret_file).map_err(RuntimeError::Config)?;
+    let (secret, tls) = args.auth().map_err(RuntimeError::Config)?;
     let model = load_model(&config, index, backend)?;
     let share = split_kv_budget(
         &[KvCache::bytes_per_token(
@@ -104,6 +136,7 @@ pub fn run_subserver(
         welcome,
         model,
         secret,
+        tls,
         config,
         busy: Arc::default(),
     });
@@ -213,14 +246,22 @@ async fn serve_front(
     host: Arc<Host>,
     pending: OwnedSemaphorePermit,
 ) {
+    let stream: Io = match &host.tls {
+        Some(tls) => match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => return tracing::warn!(%peer, "refused a peer: TLS: {e}"),
+            Err(_) => return tracing::warn!(%peer, "refused a peer: no TLS handshake in time"),
+        },
+        None => Box::new(stream),
+    };
     let claim = Cell::new(None);
-    let accepted = accept(stream, &host.secret, |hello| {
+    let accepted = accept(stream, host.secret.as_ref(), |hello| {
         let (welcome, taken) = host.check(hello)?;
         claim.set(Some(taken));
         Ok(welcome)
     })
     .await;
-    let accepted: Accepted<TcpStream> = match accepted {
+    let accepted: Accepted<Io> = match accepted {
         Ok(accepted) => accepted,
         Err(e) => return tracing::warn!(%peer, "refused a peer: {e}"),
     };
@@ -242,7 +283,7 @@ async fn serve_front(
     };
     match accepted.link.ready().await {
         Ok(link) => {
-            ctx.run(FrontLink::new(session, link));
+            ctx.run(FrontLink::new(session, link, peer.to_string()));
         }
         Err(e) => {
             tracing::warn!(%peer, "the front left while its session started: {e}");
