@@ -501,6 +501,49 @@ fn kill_and_restart(pair: &Pair, routing: &str, mode: &str, want: &[OracleToken]
     });
 }
 
+/// Needs the `failpoints` feature (`cargo test` turns it on through the dev-dependency on this
+/// package).
+#[test]
+fn a_failed_model_on_a_subserver_is_named_by_the_fronts_health() {
+    let pair = tiny_pair();
+    let models = [&pair.models[0].model, &pair.models[1].model];
+    let [(rule, routing), _] = rules(&pair);
+    let prompt = prompts()
+        .into_iter()
+        .find(|p| {
+            let oracle = routed_greedy(models, rule, p, 12, &[]);
+            oracle.tokens.iter().any(|t| t.model == 1)
+        })
+        .expect("a prompt the LLM serves");
+    let dir = pair.dir.path();
+    let rest = format!("{routing}[scheduler]\nmode = \"eager\"\n");
+    let local = write_config(dir, "sub-failing.toml", None, &rest);
+    // The subserver's forward passes over the prompt's first token panic.
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tokenrouter"));
+    command.env("TOKENROUTER_FAILPOINT_TOKEN", prompt[0].to_string());
+    let args = secret_args(&local);
+    let sub = Subserver::start_in(&mut command, "llm", &local, "127.0.0.1:0", &args);
+    let config = front(&pair, "front-failing.toml", &sub.addr, &rest);
+    with_front(&config, &pair, async |rt| {
+        assert_eq!(rt.shared().unhealthy_model(), None);
+        let failed = collect(rt.submit(greedy(&prompt, 12)), None).await;
+        assert!(
+            matches!(failed.terminals.as_slice(), [RequestEvent::Failed(e)] if e.message.contains("panicked")),
+            "{:?}",
+            failed.terminals
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while rt.shared().unhealthy_model() != Some("llm") {
+            assert!(Instant::now() < deadline, "/health never named the model");
+            actix_rt::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The link itself is up: the model's failure is not a lost subserver.
+        let stats = rt.stats().await;
+        assert!(stats[1].link.as_ref().is_some_and(|l| l.up), "{stats:?}");
+        sub
+    });
+}
+
 /// Reads what the stream sends until it ends; when it ended.
 fn drain(mut stream: TcpStream) -> (String, Instant) {
     stream

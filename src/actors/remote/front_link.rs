@@ -82,10 +82,14 @@ pub struct Session {
     pub arbiters: Vec<Arbiter>,
     /// Released when the session ends, so that another front may connect.
     pub claim: Option<Claim>,
+    /// Cleared when the model fails (a forward pass panicked).
+    pub healthy: Arc<AtomicBool>,
 }
 
 pub struct FrontLink {
     session: Session,
+    /// Whether the front has been told the model failed.
+    told_unhealthy: bool,
     link: Option<Connection>,
     opened: Option<(Framed<Io, Codec<Frame>>, String)>,
 }
@@ -95,6 +99,7 @@ impl FrontLink {
     pub fn new(session: Session, link: Framed<Io, Codec<Frame>>, peer: String) -> Self {
         Self {
             session,
+            told_unhealthy: false,
             link: None,
             opened: Some((link, peer)),
         }
@@ -151,7 +156,7 @@ impl FrontLink {
                 }));
             }
             Frame::Ping(_) | Frame::Pong(_) => {}
-            Frame::Event { .. } | Frame::Stats(..) => {
+            Frame::Event { .. } | Frame::Stats(..) | Frame::Unhealthy => {
                 self.close("the front sent a frame only a subserver sends", ctx)
             }
         }
@@ -175,7 +180,13 @@ impl Actor for FrontLink {
         self.link = Some(link);
         ctx.run_interval(HEARTBEAT, |act, ctx| match &act.link {
             Some(link) if link.silent() => act.close("the front server fell silent", ctx),
-            Some(link) => link.ping(),
+            Some(link) => {
+                link.ping();
+                if !act.told_unhealthy && !act.session.healthy.load(Ordering::Acquire) {
+                    link.send(Frame::Unhealthy);
+                    act.told_unhealthy = true;
+                }
+            }
             None => {}
         });
     }

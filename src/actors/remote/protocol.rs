@@ -47,6 +47,9 @@ pub enum Frame {
     StatsRequest(u64),
     /// Subserver → front: the counters asked for.
     Stats(u64, WorkerStats),
+    /// Subserver → front: its model failed (a forward pass panicked); the link stays up, the
+    /// front's `/health` names the model.
+    Unhealthy,
     /// Either way, every heartbeat: the sender is alive; answered with `Pong` and the same
     /// number (the sender's clock), which gives the round-trip time.
     Ping(u64),
@@ -276,6 +279,7 @@ impl Frame {
             Frame::Abort(_)
             | Frame::StatsRequest(_)
             | Frame::Stats(..)
+            | Frame::Unhealthy
             | Frame::Ping(_)
             | Frame::Pong(_) => Ok(()),
         }

@@ -60,6 +60,9 @@ pub struct RemoteSpec {
 
 pub struct RemoteModel {
     spec: Arc<RemoteSpec>,
+    /// Whether the link is up.
+    up: Arc<AtomicBool>,
+    /// Whether the link is up and the subserver's model has not failed.
     health: Arc<AtomicBool>,
     peers: Vec<Option<Recipient<PeerMessage>>>,
     /// Requests sent to the subserver and not aborted yet, with their event sinks.
@@ -85,9 +88,16 @@ pub struct RemoteModel {
 
 impl RemoteModel {
     /// `opened`: the link the runtime opened.
-    pub fn new(spec: RemoteSpec, opened: Handover, health: Arc<AtomicBool>) -> Self {
+    /// `up` and `health`: flags this actor keeps (see the fields).
+    pub fn new(
+        spec: RemoteSpec,
+        opened: Handover,
+        up: Arc<AtomicBool>,
+        health: Arc<AtomicBool>,
+    ) -> Self {
         Self {
             spec: Arc::new(spec),
+            up,
             health,
             peers: Vec::new(),
             requests: HashMap::new(),
@@ -135,6 +145,8 @@ impl RemoteModel {
             }
         }
         self.link = Some(link);
+        // A new session is a new model actor.
+        self.up.store(true, Ordering::Release);
         self.health.store(true, Ordering::Release);
         self.backoff = FIRST_BACKOFF;
     }
@@ -153,6 +165,7 @@ impl RemoteModel {
         if self.link.take().is_none() {
             return;
         }
+        self.up.store(false, Ordering::Release);
         self.health.store(false, Ordering::Release);
         tracing::error!(model = %self.spec.name, addr = %self.spec.addr, requests = self.requests.len(),
             "link to the subserver lost: {reason}");
@@ -254,6 +267,10 @@ impl RemoteModel {
                 if let Some(reply) = self.stats.remove(&seq) {
                     let _ = reply.send(stats);
                 }
+            }
+            Frame::Unhealthy => {
+                tracing::error!(model = %self.spec.name, addr = %self.spec.addr, "the subserver's model failed");
+                self.health.store(false, Ordering::Release);
             }
             Frame::Ping(_) | Frame::Pong(_) => {}
             Frame::Submit { .. } | Frame::Abort(_) | Frame::StatsRequest(_) => {

@@ -141,9 +141,10 @@ impl Runtime {
         };
         let started = start_local(config, &locals, router.clone())?;
         let mut addrs: Vec<Option<ModelAddr>> = vec![None; n];
-        let mut health: Vec<Arc<AtomicBool>> = vec![Arc::default(); n];
-        let mut linked: Vec<Arc<AtomicBool>> =
-            (0..n).map(|_| Arc::new(AtomicBool::new(true))).collect();
+        let flags = || -> Vec<Arc<AtomicBool>> {
+            (0..n).map(|_| Arc::new(AtomicBool::new(true))).collect()
+        };
+        let (mut health, linked) = (flags(), flags());
         let mut prefixes: Vec<Arc<PublishedPrefixes>> = vec![Arc::default(); n];
         for (k, (i, addr)) in started.addrs.iter().enumerate() {
             addrs[*i] = Some(ModelAddr::of(addr));
@@ -161,13 +162,11 @@ impl Runtime {
             let index = opened.spec.index;
             max_context = max_context.min(opened.spec.expected.max_len);
             vocab_size = vocab_size.min(opened.spec.expected.vocab_size);
-            let up = Arc::new(AtomicBool::new(true));
-            health[index] = up.clone();
-            linked[index] = up.clone();
+            let (up, healthy) = (linked[index].clone(), health[index].clone());
             let arbiter = Arbiter::new();
             let (spec, link) = (opened.spec, opened.link);
             let addr = RemoteModel::start_in_arbiter(&arbiter.handle(), move |_| {
-                RemoteModel::new(spec, link, up)
+                RemoteModel::new(spec, link, up, healthy)
             });
             addrs[index] = Some(ModelAddr::of(&addr));
             arbiters.push(arbiter);

@@ -236,6 +236,7 @@ impl Host {
             bounds: self.bounds,
             arbiters: started.arbiters,
             claim: Some(claim),
+            healthy: started.health[0].clone(),
         })
     }
 }
