@@ -1,7 +1,7 @@
 //! The HTTP server as a client sees it, over plain HTTP: OpenAI and SGLang response shapes,
 //! SSE framing, every kind of bad input (and fuzzed bodies) answered with a 4xx naming the
-//! problem, disconnects and overload, the API key, and a soak of mixed requests after which no
-//! KV block or active request is left.
+//! problem, disconnects, slow readers and overload, the API key, and a soak of mixed requests
+//! after which no KV block or active request is left.
 
 mod common;
 
@@ -327,6 +327,86 @@ fn a_client_disconnect_cancels_the_request_and_frees_its_blocks() {
     }
     assert_drained(&server);
     assert!(server.metric("tokenrouter_requests_total{outcome=\"cancelled\"}") >= 1.0);
+}
+
+#[test]
+fn a_client_reading_its_stream_a_byte_a_second_holds_up_no_one() {
+    let server = TestServer::start("", &[]);
+    // Four long choices: far more than the socket buffers between the two ends hold.
+    let body = chat(
+        "go on",
+        json!({"stream": true, "n": 4, "max_tokens": 220, "ignore_eos": true}),
+    );
+    let mut slow = send(
+        server.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(body.as_bytes()),
+        &[],
+    )
+    .unwrap();
+    // A small receive buffer, so that the server's writes to this client back up at once.
+    let size: libc::c_int = 1024;
+    let set = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&slow),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&size as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(set, 0);
+    // Until the stream's tokens are all made and its writes wait on this client.
+    let made = Instant::now();
+    while server.metric("tokenrouter_requests_total{outcome=\"finished\"}") < 1.0 {
+        assert!(
+            made.elapsed() < Duration::from_secs(30),
+            "the stream never finished"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let port = server.port;
+    let others: Vec<_> = (0..8)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let body = chat(&format!("meanwhile {i}"), json!({"max_tokens": 24}));
+                request(
+                    port,
+                    "POST",
+                    "/v1/chat/completions",
+                    Some(body.as_bytes()),
+                    &[],
+                )
+                .map(|r| r.status)
+            })
+        })
+        .collect();
+    // One byte a second until every other request is answered.
+    let mut read = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !others.iter().all(|t| t.is_finished()) {
+        assert!(Instant::now() < deadline, "the others were held up");
+        let mut byte = [0u8];
+        slow.read_exact(&mut byte).unwrap();
+        read += 1;
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    for t in others {
+        assert_eq!(t.join().unwrap().unwrap(), 200);
+    }
+    assert!(read < 60, "{read} bytes read");
+    // The slow stream is whole once read.
+    let mut rest = Vec::new();
+    slow.read_to_end(&mut rest).unwrap();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    assert_eq!(
+        rest.matches("\"finish_reason\":\"length\"").count(),
+        4,
+        "{rest}"
+    );
+    assert_drained(&server);
 }
 
 #[test]
