@@ -2,8 +2,9 @@
 # Routed serving with the models in subserver processes, against the same two models in one
 # process: the shipped pair (config.toml), the SLM on core 0 and the LLM on core 1 in every
 # layout, `tokenrouter bench`'s short workload. Layouts, alternated ROUNDS times: `local` (one
-# process), `remote` (the LLM in a subserver), `both` (each model in a subserver of its own,
-# the front computing none). Prints each run's output tok/s, handoffs and the LLM link's
+# process), `remote` (the LLM in a subserver), `tls` (the same over mutual TLS, the front
+# authenticated by its certificate), `both` (each model in a subserver of its own, the front
+# computing none). Prints each run's output tok/s, handoffs and the LLM link's
 # frames, bytes and last round trip, then each layout's median against `local` and the cost
 # per handoff that the difference implies.
 #
@@ -36,6 +37,22 @@ sed -e "s#^name = \"llm\"#name = \"llm\"\nremote = \"127.0.0.1:$SUB_PORT\"\nsecr
   "$work/local.toml" >"$work/front.toml"
 sed -e "s#^name = \"slm\"#name = \"slm\"\nremote = \"127.0.0.1:$SLM_PORT\"\nsecret_file = \"secret\"#" \
   "$work/front.toml" >"$work/both.toml"
+sed -e "s#^name = \"llm\"#name = \"llm\"\nremote = \"127.0.0.1:$SUB_PORT\"\ntls_ca = \"ca.pem\"\ntls_cert = \"front.pem\"\ntls_key = \"front.key\"#" \
+  "$work/local.toml" >"$work/tls.toml"
+
+# A CA, the subserver's certificate (for 127.0.0.1) and the front's.
+cert() { # $1 = name, $2 = extensions
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$1" \
+    -keyout "$work/$1.key" -out "$work/$1.csr" 2>/dev/null
+  printf '%s\n' "$2" >"$work/$1.ext"
+  openssl x509 -req -in "$work/$1.csr" -CA "$work/ca.pem" -CAkey "$work/ca.key" -days 1 \
+    -extfile "$work/$1.ext" -out "$work/$1.pem" 2>/dev/null
+}
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj /CN=bench-ca \
+  -keyout "$work/ca.key" -out "$work/ca.pem" 2>/dev/null
+cert sub "subjectAltName=IP:127.0.0.1
+extendedKeyUsage=serverAuth"
+cert front "extendedKeyUsage=clientAuth"
 
 wait_health() {
   for _ in $(seq 600); do
@@ -48,21 +65,31 @@ wait_health() {
 
 metrics() { curl -s "http://127.0.0.1:$PORT/metrics"; }
 
-subserver() { # $1 = model, $2 = port
-  "$BIN" subserver --config "$work/local.toml" --model "$1" --listen "127.0.0.1:$2" \
-    --secret-file "$work/secret" >"$work/sub-$1.log" 2>&1 &
+subserver() { # $1 = model, $2 = port, then how fronts are authenticated
+  local model=$1 port=$2
+  shift 2
+  "$BIN" subserver --config "$work/local.toml" --model "$model" --listen "127.0.0.1:$port" \
+    "$@" >"$work/sub-$model.log" 2>&1 &
   pids+=($!)
-  for _ in $(seq 600); do grep -q listening "$work/sub-$1.log" && break; sleep 0.2; done
+  for _ in $(seq 600); do grep -q listening "$work/sub-$model.log" && break; sleep 0.2; done
 }
 
-# One run: $1 = local | remote | both. Appends "layout tok/s tokens handoffs frames bytes rtt_us".
+secret=(--secret-file "$work/secret")
+tls=(--tls-cert "$work/sub.pem" --tls-key "$work/sub.key" --tls-client-ca "$work/ca.pem")
+
+# One run: $1 = local | remote | tls | both. Appends "layout tok/s tokens handoffs frames bytes rtt_us".
 run() {
   local layout=$1
   pids=()
   case $layout in
     local) config=$work/local.toml ;;
-    remote) subserver llm "$SUB_PORT"; config=$work/front.toml ;;
-    both) subserver llm "$SUB_PORT"; subserver slm "$SLM_PORT"; config=$work/both.toml ;;
+    remote) subserver llm "$SUB_PORT" "${secret[@]}"; config=$work/front.toml ;;
+    tls) subserver llm "$SUB_PORT" "${tls[@]}"; config=$work/tls.toml ;;
+    both)
+      subserver llm "$SUB_PORT" "${secret[@]}"
+      subserver slm "$SLM_PORT" "${secret[@]}"
+      config=$work/both.toml
+      ;;
   esac
   "$BIN" serve --config "$config" --port "$PORT" >"$work/serve.log" 2>&1 &
   pids+=($!)
@@ -94,6 +121,7 @@ echo "layout tok/s tokens handoffs link_frames link_bytes rtt_us"
 for _ in $(seq "$ROUNDS"); do
   run local
   run remote
+  run tls
   run both
 done
 python3 - "$work/runs" <<'EOF'
@@ -103,7 +131,8 @@ def med(layout, i):
     return statistics.median(float(r[i]) for r in runs if r[0] == layout)
 local = med("local", 1)
 print(f"median output tok/s in one process: {local:.1f}")
-for layout, what in [("remote", "the LLM in a subserver"), ("both", "each model in a subserver")]:
+for layout, what in [("remote", "the LLM in a subserver"), ("tls", "the LLM in a subserver, over mutual TLS"),
+                     ("both", "each model in a subserver")]:
     tps = med(layout, 1)
     tokens, handoffs = med(layout, 2), med(layout, 3)
     print(f"{what}: {tps:.1f} ({tps / local:.2f}x)")
