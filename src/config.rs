@@ -77,6 +77,8 @@ pub struct ServerSettings {
     pub max_body_mb: usize,
     /// HTTP worker threads (they only parse and format; models run on their own threads).
     pub workers: usize,
+    /// Seconds an idle keep-alive connection stays open.
+    pub keep_alive_s: f64,
 }
 
 impl Default for ServerSettings {
@@ -89,6 +91,7 @@ impl Default for ServerSettings {
             api_key: None,
             max_body_mb: 8,
             workers: 2,
+            keep_alive_s: 5.0,
         }
     }
 }
@@ -408,6 +411,11 @@ impl Config {
         let sv = &self.server;
         if sv.request_timeout_s.is_nan() || sv.request_timeout_s < 0.0 {
             return Err("server.request_timeout_s must be >= 0 (0: no limit)".into());
+        }
+        if !(sv.keep_alive_s > 0.0 && sv.keep_alive_s <= 86_400.0) {
+            return Err(
+                "server.keep_alive_s must be a number of seconds above 0, at most a day".into(),
+            );
         }
         if sv.max_requests == 0 || sv.workers == 0 || sv.max_body_mb == 0 {
             return Err(

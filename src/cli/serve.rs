@@ -134,6 +134,7 @@ pub fn run(args: ServeArgs, kernels: &super::KernelArgs) -> anyhow::Result<()> {
         request_timeout: (timeout > 0.0).then(|| Duration::from_secs_f64(timeout)),
         max_body_bytes: s.max_body_mb << 20,
         workers: s.workers,
+        keep_alive: Duration::from_secs_f64(s.keep_alive_s),
         shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
     };
     if settings.max_requests == 0 {

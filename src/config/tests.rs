@@ -270,3 +270,15 @@ fn remote_models_need_an_address_and_a_secret() {
     assert!(err(tls).contains("secret_file (or tls_ca, tls_cert and tls_key)"));
     assert!(err("path = \"l.gguf\"\nsecret_file = \"k\"\n").contains("`remote` model"));
 }
+
+#[test]
+fn keep_alive_is_a_positive_number_of_seconds() {
+    let one = "[[models]]\nname = \"m\"\npath = \"m.gguf\"\n";
+    let config = load_str(&format!("{one}[server]\nkeep_alive_s = 120\n")).unwrap();
+    assert_eq!(config.server.keep_alive_s, 120.0);
+    assert_eq!(load_str(one).unwrap().server.keep_alive_s, 5.0);
+    for bad in ["0", "-1", "nan", "1e9"] {
+        let err = load_str(&format!("{one}[server]\nkeep_alive_s = {bad}\n")).unwrap_err();
+        assert!(err.to_string().contains("keep_alive_s"), "{bad}: {err}");
+    }
+}

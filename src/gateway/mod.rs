@@ -144,6 +144,10 @@ async fn authorize(
 
 /// Checks the workers once, then serves until SIGINT/SIGTERM.
 pub fn run(settings: GatewaySettings) -> anyhow::Result<()> {
+    // A gateway holds a client's connection and one to a worker for each request.
+    if let Some(files) = crate::server::raise_open_files_limit() {
+        tracing::info!(files, "open files limit");
+    }
     actix_web::rt::System::new().block_on(async move {
         let state = Arc::new(GatewayState::new(&settings)?);
         let probe_client = client(settings.health_check_timeout);

@@ -40,6 +40,8 @@ pub struct ServeSettings {
     pub request_timeout: Option<Duration>,
     pub max_body_bytes: usize,
     pub workers: usize,
+    /// How long an idle keep-alive connection stays open.
+    pub keep_alive: Duration,
     /// How long shutdown waits for in-flight requests.
     pub shutdown_timeout: Duration,
 }
@@ -123,6 +125,9 @@ pub fn serve(
     backend: crate::model::MatmulBackend,
 ) -> anyhow::Result<()> {
     let models = load_models(&config, backend)?;
+    if let Some(files) = raise_open_files_limit() {
+        tracing::info!(files, "open files limit");
+    }
     actix_web::rt::System::new().block_on(async move {
         let runtime = Runtime::start(&config, models)?;
         let names = config.models.iter().map(|m| m.name.clone()).collect();
@@ -146,6 +151,8 @@ pub fn serve(
                 .configure(handlers::routes)
         })
         .workers(settings.workers)
+        .keep_alive(settings.keep_alive)
+        .max_connections(MAX_CONNECTIONS)
         .shutdown_timeout(settings.shutdown_timeout.as_secs())
         .bind((settings.host.as_str(), settings.port))
         .map_err(|e| {
@@ -160,6 +167,36 @@ pub fn serve(
         runtime.stop();
         anyhow::Ok(())
     })
+}
+
+/// Open connections per HTTP worker, at most; the process's descriptor limit is raised to
+/// match where the system allows ([`raise_open_files_limit`]).
+pub const MAX_CONNECTIONS: usize = 25_000;
+
+/// Raises the soft limit on open files to the hard one: the usual soft limit (1024) caps a
+/// server at about a thousand connections, idle keep-alive ones included. Returns the limit
+/// now in force.
+pub fn raise_open_files_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write the one struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return None;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                ..limit
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit = raised;
+            }
+        }
+    }
+    Some(limit.rlim_cur)
 }
 
 /// Checks the API key, when one is set (see [`auth`]).
