@@ -16,10 +16,13 @@
 //! * [`gateway`]: the cache-aware router in front of many servers; talks to them only over
 //!   HTTP.
 //!
-//! [`config`] reads `config.toml`.
+//! [`config`] reads `config.toml`. `fuzzing` (with the `fixtures` feature) holds what the fuzz
+//! targets run.
 
 pub mod actors;
 pub mod config;
+#[cfg(feature = "fixtures")]
+pub mod fuzzing;
 pub mod gateway;
 pub mod kernels;
 pub mod model;
