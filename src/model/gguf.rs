@@ -54,14 +54,30 @@ impl GgufFile {
     fn check_tensor_extents(&self, file_len: u64) -> Result<()> {
         for (name, info) in &self.content.tensor_infos {
             let dtype = info.ggml_dtype;
-            let elems = info.shape.elem_count();
+            // The dimensions come from the file: their product may not fit a machine word.
+            let Some(elems) = info
+                .shape
+                .dims()
+                .iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d))
+            else {
+                return Err(self.format_error(format!(
+                    "tensor '{name}' has dimensions {:?}, more elements than can be addressed",
+                    info.shape.dims()
+                )));
+            };
             if elems % dtype.block_size() != 0 {
                 return Err(self.format_error(format!(
                     "tensor '{name}' has {elems} elements, not a multiple of its {dtype:?} block size"
                 )));
             }
-            let bytes = (elems / dtype.block_size() * dtype.type_size()) as u64;
-            let end = self.content.tensor_data_offset + info.offset + bytes;
+            let bytes = (elems / dtype.block_size()) as u64 * dtype.type_size() as u64;
+            let end = self
+                .content
+                .tensor_data_offset
+                .checked_add(info.offset)
+                .and_then(|start| start.checked_add(bytes))
+                .unwrap_or(u64::MAX);
             if end > file_len {
                 return Err(self.format_error(format!(
                     "file is truncated: tensor '{name}' ends at byte {end} but the file has {file_len} bytes"
