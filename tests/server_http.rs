@@ -299,11 +299,11 @@ fn bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving() {
     assert_drained(&server);
 }
 
-/// A long streaming chat request whose response has started.
-fn open_long_stream(server: &TestServer) -> std::net::TcpStream {
+/// A long streaming chat request (`n` choices) whose response has started.
+fn open_long_stream(server: &TestServer, n: usize) -> std::net::TcpStream {
     let body = chat(
         "go on",
-        json!({"stream": true, "max_tokens": 220, "ignore_eos": true}),
+        json!({"stream": true, "n": n, "max_tokens": 220, "ignore_eos": true}),
     );
     let mut stream = send(
         server.port,
@@ -323,7 +323,7 @@ fn open_long_stream(server: &TestServer) -> std::net::TcpStream {
 fn a_client_disconnect_cancels_the_request_and_frees_its_blocks() {
     let server = TestServer::start("", &[]);
     for _ in 0..4 {
-        drop(open_long_stream(&server));
+        drop(open_long_stream(&server, 1));
     }
     assert_drained(&server);
     assert!(server.metric("tokenrouter_requests_total{outcome=\"cancelled\"}") >= 1.0);
@@ -333,18 +333,7 @@ fn a_client_disconnect_cancels_the_request_and_frees_its_blocks() {
 fn a_client_reading_its_stream_a_byte_a_second_holds_up_no_one() {
     let server = TestServer::start("", &[]);
     // Four long choices: far more than the socket buffers between the two ends hold.
-    let body = chat(
-        "go on",
-        json!({"stream": true, "n": 4, "max_tokens": 220, "ignore_eos": true}),
-    );
-    let mut slow = send(
-        server.port,
-        "POST",
-        "/v1/chat/completions",
-        Some(body.as_bytes()),
-        &[],
-    )
-    .unwrap();
+    let mut slow = open_long_stream(&server, 4);
     // A small receive buffer, so that the server's writes to this client back up at once.
     let size: libc::c_int = 1024;
     let set = unsafe {
@@ -496,7 +485,7 @@ fn a_request_past_the_timeout_gets_504_and_is_cancelled() {
 #[test]
 fn sigterm_stops_the_server_cleanly_even_with_a_stream_in_flight() {
     let mut server = TestServer::start("", &["--shutdown-timeout", "2"]);
-    let _stream = open_long_stream(&server);
+    let _stream = open_long_stream(&server, 1);
     let status = server.terminate();
     assert!(status.success(), "exit status {status}");
     assert!(
