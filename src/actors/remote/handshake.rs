@@ -188,11 +188,20 @@ impl WireVocabulary {
 }
 
 /// The settings both ends of a link must share, as one line: the scheduling mode and the
-/// routing algorithm (a router head by its file name, as its folder may differ by host).
+/// routing algorithm (a router head by its file name and a digest of its bytes, as its folder
+/// may differ by host but its weights may not).
 pub fn settings(config: &Config) -> String {
     let mut routing = config.routing.clone();
     if let Some(path) = routing.router_path() {
-        *path = path.file_name().map(PathBuf::from).unwrap_or_default();
+        let digest = std::fs::read(&*path).map_or_else(
+            |e| format!("unreadable: {e}"),
+            |bytes| {
+                let d: [u8; 32] = Sha256::digest(bytes).into();
+                d[..8].iter().map(|b| format!("{b:02x}")).collect()
+            },
+        );
+        let name = path.file_name().map(PathBuf::from).unwrap_or_default();
+        *path = PathBuf::from(format!("{} (sha256 {digest}…)", name.display()));
     }
     format!(
         "mode {:?}, max_wait_ms {}, routing {routing:?}",
@@ -620,6 +629,31 @@ mod tests {
         assert!(matches!(server, Err(HandshakeError::Refused(_))));
         let err = client.unwrap_err().to_string();
         assert!(err.contains("hosts 'other'"), "{err}");
+    }
+
+    #[test]
+    fn router_heads_are_compared_by_their_bytes_not_their_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = |folder: &str, weights: &[u8]| {
+            let head = dir.path().join(folder).join("head.json");
+            std::fs::create_dir_all(head.parent().unwrap()).unwrap();
+            std::fs::write(&head, weights).unwrap();
+            let text = format!(
+                "[[models]]\nname = \"slm\"\npath = \"s.gguf\"\n[[models]]\nname = \"llm\"\npath = \"l.gguf\"\n\
+                 [routing]\nalgorithm = \"r2r\"\nrouter = \"{}\"\n",
+                head.display()
+            );
+            let path = dir.path().join(format!("{folder}.toml"));
+            std::fs::write(&path, text).unwrap();
+            Config::load(&path).unwrap()
+        };
+        let here = settings(&config("a", b"weights"));
+        assert_eq!(here, settings(&config("b", b"weights")));
+        assert_ne!(here, settings(&config("c", b"other weights")));
+        assert!(
+            here.contains("head.json") && !here.contains("/a/"),
+            "{here}"
+        );
     }
 
     #[test]
