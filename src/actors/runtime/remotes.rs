@@ -74,9 +74,7 @@ pub(super) fn open_remotes(config: &Config, locals: &Locals) -> Result<Remotes, 
     // The handshake is async; the runtime's start is not, and may run inside an actix
     // system's executor, so the links open on a thread of their own, driven by the link
     // runtime.
-    let (to_dial, known) = (dialing.clone(), facts.clone());
-    let opened = std::thread::spawn(move || open_links(to_dial, known))
-        .join()
+    let opened = std::thread::scope(|s| s.spawn(|| open_links(&dialing, facts.clone())).join())
         .map_err(|_| RuntimeError::Config("opening the links to the subservers panicked".into()))?
         .map_err(|(i, e)| link_error(i, e))?;
     let first = &opened[0].0;
@@ -125,7 +123,7 @@ pub(super) fn open_remotes(config: &Config, locals: &Locals) -> Result<Remotes, 
                 index,
                 name: config.models[index].name.clone(),
                 addr,
-                auth: Arc::into_inner(auth).expect("the dialing thread has ended"),
+                auth,
                 hello,
                 facts: all.clone(),
                 expected: welcome.facts,
@@ -145,10 +143,10 @@ pub(super) fn open_remotes(config: &Config, locals: &Locals) -> Result<Remotes, 
     })
 }
 
-type Dialing = Vec<(ModelIndex, String, Arc<LinkAuth>, Hello)>;
+type Dialing = Vec<(ModelIndex, String, LinkAuth, Hello)>;
 
 /// How the front proves itself to the subserver hosting `entry`, and checks it.
-fn link_auth(entry: &crate::config::ModelEntry) -> Result<Arc<LinkAuth>, String> {
+fn link_auth(entry: &crate::config::ModelEntry) -> Result<LinkAuth, String> {
     let secret = entry.secret_file.as_deref().map(Secret::read).transpose()?;
     let tls = match &entry.tls_ca {
         Some(ca) => {
@@ -163,18 +161,18 @@ fn link_auth(entry: &crate::config::ModelEntry) -> Result<Arc<LinkAuth>, String>
         }
         None => None,
     };
-    Ok(Arc::new(LinkAuth { secret, tls }))
+    Ok(LinkAuth { secret, tls })
 }
 
 /// Greets every subserver, then starts every link with all the facts; returns each link's
 /// welcome and socket, or the index of the model that failed and why.
 fn open_links(
-    dialing: Dialing,
+    dialing: &Dialing,
     mut facts: Vec<Option<ModelFacts>>,
 ) -> Result<Vec<(Welcome, Handover)>, (ModelIndex, String)> {
     link_runtime().block_on(async {
         let mut greeted = Vec::new();
-        for (i, addr, auth, hello) in &dialing {
+        for (i, addr, auth, hello) in dialing {
             let g = dial(addr, auth, hello)
                 .await
                 .map_err(|e| (*i, e.to_string()))?;
