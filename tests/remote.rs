@@ -262,6 +262,22 @@ fn closes_within(mut stream: TcpStream, limit: Duration) -> bool {
     false
 }
 
+/// Why a front with `config` (and the pair's SLM) could not start.
+fn refused_front(config: &Config, pair: &Pair) -> String {
+    actix_rt::System::new()
+        .block_on(async { Runtime::start(config, vec![pair.models[0].clone()]).err() })
+        .expect("the front was taken")
+        .to_string()
+}
+
+/// Whether a plain HTTP request to `addr` is met by the connection closing.
+fn an_http_client_is_closed(addr: &str) -> bool {
+    let mut http = TcpStream::connect(addr).unwrap();
+    http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    closes_within(http, Duration::from_secs(8))
+}
+
 #[test]
 fn peers_without_the_secret_http_clients_and_garbage_are_refused_undisturbing() {
     let pair = tiny_pair();
@@ -279,16 +295,11 @@ fn peers_without_the_secret_http_clients_and_garbage_are_refused_undisturbing() 
         .replace("secret_file = \"secret\"", "secret_file = \"wrong\"");
     std::fs::write(dir.join("wrong.toml"), text).unwrap();
     let wrong = Config::load(&dir.join("wrong.toml")).unwrap();
-    let err = actix::System::new()
-        .block_on(async { Runtime::start(&wrong, vec![pair.models[0].clone()]).err() })
-        .expect("a front with the wrong secret was taken");
-    assert!(err.to_string().contains("shared secret"), "{err}");
+    let err = refused_front(&wrong, &pair);
+    assert!(err.contains("shared secret"), "{err}");
     // A plain HTTP client, and random bytes.
-    let mut http = TcpStream::connect(&sub.addr).unwrap();
-    http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        .unwrap();
     assert!(
-        closes_within(http, Duration::from_secs(8)),
+        an_http_client_is_closed(&sub.addr),
         "the HTTP client was kept"
     );
     let mut junk = TcpStream::connect(&sub.addr).unwrap();
@@ -874,53 +885,31 @@ fn mutual_tls_stands_in_for_the_secret_and_refuses_untrusted_fronts() {
         std::fs::write(&path, text).unwrap();
         Config::load(&path).unwrap()
     };
-    let refused = |config: &Config| {
-        actix_rt::System::new()
-            .block_on(async { Runtime::start(config, vec![pair.models[0].clone()]).err() })
-            .expect("the front was taken")
-            .to_string()
+    let refused = |config: &Config| refused_front(config, &pair);
+    let identity = |cert: &Path, key: &Path| {
+        format!(
+            "tls_cert = \"{}\"\ntls_key = \"{}\"\n",
+            cert.display(),
+            key.display()
+        )
     };
     // A certificate from another CA, and none at all (with a secret the subserver does not
     // ask for), are refused in the TLS handshake.
-    let intruder = front_config(
-        "intruder.toml",
-        &format!(
-            "tls_cert = \"{}\"\ntls_key = \"{}\"\n",
-            rogue_cert.display(),
-            rogue_key.display()
-        ),
-    );
+    let intruder = front_config("intruder.toml", &identity(&rogue_cert, &rogue_key));
     let err = refused(&intruder);
     assert!(err.contains("model 'llm'") && err.contains("TLS"), "{err}");
     let anonymous = front_config("anonymous.toml", "secret_file = \"secret\"\n");
     let err = refused(&anonymous);
     assert!(err.contains("model 'llm'"), "{err}");
     // A front that checks the subserver against another CA does not take it.
-    let mut wrong_ca = front_config(
-        "wrong-ca.toml",
-        &format!(
-            "tls_cert = \"{}\"\ntls_key = \"{}\"\n",
-            front_cert.display(),
-            front_key.display()
-        ),
-    );
+    let mut wrong_ca = front_config("wrong-ca.toml", &identity(&front_cert, &front_key));
     wrong_ca.models[1].tls_ca = Some(dir.join("rogue-ca.pem"));
     let err = refused(&wrong_ca);
     assert!(err.contains("TLS"), "{err}");
     // A plain TCP client (an HTTP request) is closed, unanswered.
-    let mut http = TcpStream::connect(&sub.addr).unwrap();
-    http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        .unwrap();
-    assert!(closes_within(http, Duration::from_secs(8)), "kept open");
+    assert!(an_http_client_is_closed(&sub.addr), "kept open");
     // The trusted front routes exactly, over TLS.
-    let trusted = front_config(
-        "trusted.toml",
-        &format!(
-            "tls_cert = \"{}\"\ntls_key = \"{}\"\n",
-            front_cert.display(),
-            front_key.display()
-        ),
-    );
+    let trusted = front_config("trusted.toml", &identity(&front_cert, &front_key));
     let max_tokens = 16;
     let (outcomes, stats) = with_front(&trusted, &pair, async |rt| {
         every_prompt(rt, max_tokens).await
