@@ -5,8 +5,9 @@
 use bytes::BytesMut;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use tokenrouter::actors::messages::TokenEvent;
+use tokenrouter::actors::remote::codec::Codec;
 use tokenrouter::actors::remote::protocol::{
-    Bounds, Codec, Frame, WireBody, WireHandoff, WireMeta, WirePeer,
+    Bounds, Frame, WireBody, WireHandoff, WireMeta, WirePeer,
 };
 use tokenrouter::model::SamplingParams;
 use tokenrouter::routing::Speculation;

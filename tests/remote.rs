@@ -19,8 +19,9 @@ use common::oracle::{routed_greedy, OracleToken};
 use common::runtime::{
     collect, every_prompt, greedy, prompts, rules, tiny_pair, with_runtime, Pair,
 };
+use tokenrouter::actors::remote::codec::Codec;
 use tokenrouter::actors::remote::handshake::{dial, vocab_digest, Hello, LinkAuth, Secret};
-use tokenrouter::actors::remote::protocol::{Codec, Frame, WireMeta};
+use tokenrouter::actors::remote::protocol::{Frame, WireMeta};
 use tokenrouter::actors::{RequestEvent, Runtime};
 use tokenrouter::config::Config;
 use tokenrouter::model::SamplingParams;

@@ -12,7 +12,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::task::JoinHandle;
 use tokio_util::codec::Framed;
 
-use super::protocol::{Codec, Frame, LinkCounters};
+use super::codec::{Codec, LinkCounters};
+use super::protocol::Frame;
 use super::tls::Io;
 
 /// How often a quiet side says it is alive.

@@ -14,9 +14,10 @@ use actix::{
 };
 use tokio_util::codec::Framed;
 
+use super::codec::Codec;
 use super::connection::{Connection, Incoming, HEARTBEAT};
 use super::handshake::SESSION_START_TIMEOUT;
-use super::protocol::{Bounds, Codec, Frame, WirePeer};
+use super::protocol::{Bounds, Frame, WirePeer};
 use super::tls::Io;
 use crate::actors::messages::{Abort, EventSink, PeerMessage, Submit, TokenEvent};
 use crate::actors::model_actor::{GetStats, ModelActor};

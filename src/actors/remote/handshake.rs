@@ -17,7 +17,8 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_util::codec::Framed;
 
-use super::protocol::{Codec, Frame, ProtocolError};
+use super::codec::{Codec, ProtocolError};
+use super::protocol::Frame;
 use super::tls::{ClientTls, Io};
 use crate::config::Config;
 use crate::model::{ChatTemplate, SpecialTokens, Vocabulary};

@@ -9,6 +9,7 @@
 //! token events and handoffs go back to the front, which delivers them (to a request actor, to
 //! a local model, or on to another subserver).
 
+pub mod codec;
 pub mod connection;
 pub mod front_link;
 pub mod handshake;

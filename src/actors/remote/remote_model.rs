@@ -21,9 +21,10 @@ use actix::{
 use tokio::sync::oneshot;
 use tokio_util::codec::Framed;
 
+use super::codec::{Codec, LinkCounters};
 use super::connection::{Connection, Incoming, HEARTBEAT, LINK_TIMEOUT};
 use super::handshake::{dial, Hello, LinkAuth, RemoteFacts};
-use super::protocol::{Bounds, Codec, Frame, LinkCounters, WirePeer};
+use super::protocol::{Bounds, Frame, WirePeer};
 use super::tls::Io;
 use crate::actors::messages::{
     Abort, PeerBody, PeerMessage, RequestMeta, Submit, TokenEvent, Tombstones,
