@@ -20,8 +20,9 @@ use common::runtime::{
     collect, every_prompt, greedy, prompts, rules, tiny_pair, with_runtime, Pair,
 };
 use tokenrouter::actors::remote::codec::Codec;
-use tokenrouter::actors::remote::handshake::{dial, vocab_digest, Hello, LinkAuth, Secret};
+use tokenrouter::actors::remote::handshake::{dial, Hello, LinkAuth, Secret};
 use tokenrouter::actors::remote::protocol::{Frame, WireMeta};
+use tokenrouter::actors::remote::vocabulary::vocab_digest;
 use tokenrouter::actors::{RequestEvent, Runtime};
 use tokenrouter::config::Config;
 use tokenrouter::model::SamplingParams;

@@ -16,6 +16,7 @@ pub mod handshake;
 pub mod protocol;
 pub mod remote_model;
 pub mod tls;
+pub mod vocabulary;
 
 use std::sync::OnceLock;
 

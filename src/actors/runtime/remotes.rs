@@ -5,11 +5,12 @@
 
 use super::start::Locals;
 use super::*;
-use crate::actors::remote::handshake::{dial, vocab_digest, Hello, LinkAuth, Secret, Welcome};
+use crate::actors::remote::handshake::{dial, Hello, LinkAuth, Secret, Welcome};
 use crate::actors::remote::link_runtime;
 use crate::actors::remote::protocol::Bounds;
 use crate::actors::remote::remote_model::{Handover, RemoteSpec};
 use crate::actors::remote::tls::{host_of, ClientTls, Identity};
+use crate::actors::remote::vocabulary::vocab_digest;
 use crate::model::Vocabulary;
 use crate::routing::ModelFacts;
 

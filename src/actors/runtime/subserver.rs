@@ -17,11 +17,11 @@ use super::start::{load_model, start_local};
 use super::*;
 use crate::actors::remote::front_link::{Claim, FrontLink, Session};
 use crate::actors::remote::handshake::{
-    accept, settings, vocab_digest, Accepted, Hello, RemoteFacts, Secret, Welcome, WireVocabulary,
-    HANDSHAKE_TIMEOUT,
+    accept, settings, Accepted, Hello, RemoteFacts, Secret, Welcome, HANDSHAKE_TIMEOUT,
 };
 use crate::actors::remote::protocol::Bounds;
 use crate::actors::remote::tls::{Identity, Io, ServerTls};
+use crate::actors::remote::vocabulary::{vocab_digest, WireVocabulary};
 use crate::model::MatmulBackend;
 
 /// Handshakes under way at once, at most.
