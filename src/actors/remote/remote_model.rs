@@ -130,18 +130,14 @@ impl RemoteModel {
         link.ping();
         // The session starts from zero: it learns where this side's models stand.
         for from in (0..self.told.len()).filter(|&i| i != self.spec.index) {
-            let (delta, round) = (self.told[from], self.rounds[from]);
-            if delta != 0 || round > 0 {
+            let delta = self.told[from];
+            if let Some(body) = standing(delta, self.rounds[from]) {
                 link.send(Frame::Peer(WirePeer::of(PeerMessage {
                     from,
                     to: self.spec.index,
                     active_delta: delta,
                     route_prob: None,
-                    body: if round > 0 {
-                        PeerBody::RoundDone(round)
-                    } else {
-                        PeerBody::Counters
-                    },
+                    body,
                 })));
             }
         }
@@ -177,11 +173,9 @@ impl RemoteModel {
         // The requests the session counted as active have failed, and nothing else will
         // count them out; in lock-step, the rounds its peers wait for are finished for it.
         for to in (0..self.heard.len()).filter(|&i| i != self.spec.index) {
-            let (delta, round) = (std::mem::take(&mut self.heard[to]), self.rounds[to]);
-            if round > 0 {
-                self.answer(to, -delta, PeerBody::RoundDone(round));
-            } else if delta != 0 {
-                self.answer(to, -delta, PeerBody::Counters);
+            let delta = std::mem::take(&mut self.heard[to]);
+            if let Some(body) = standing(-delta, self.rounds[to]) {
+                self.answer(to, -delta, body);
             }
         }
         self.stats.clear();
@@ -278,6 +272,16 @@ impl RemoteModel {
                 self.lost("the subserver sent a frame only a front sends", ctx)
             }
         }
+    }
+}
+
+/// What carries an active-request `delta` and, in lock-step, the last `round` finished (past
+/// round 0) to a peer; `None` when there is neither to tell.
+fn standing(delta: i64, round: u64) -> Option<PeerBody> {
+    match (delta, round) {
+        (0, 0) => None,
+        (_, 0) => Some(PeerBody::Counters),
+        (_, round) => Some(PeerBody::RoundDone(round)),
     }
 }
 
