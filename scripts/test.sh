@@ -35,6 +35,9 @@ pip_install() {
   python3 -m pip install -q "$@" || python3 -m pip install -q --break-system-packages "$@"
 }
 
+# The API contract test runs schemathesis against the server's OpenAPI document.
+command -v st >/dev/null || pip_install schemathesis==4.32.5
+
 scripts/fetch-models.sh
 cargo test "$@" 2>&1
 [ $# -eq 0 ] || exit 0

@@ -368,7 +368,8 @@ where
             StatusCode::BAD_GATEWAY,
             format!("worker {url} failed mid-stream ({what}); the answer is incomplete"),
         );
-        Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", error.body()))
+        let body = serde_json::to_string(&error.body()).expect("error bodies serialize");
+        Bytes::from(format!("data: {body}\n\ndata: [DONE]\n\n"))
     }
 }
 

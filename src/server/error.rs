@@ -3,8 +3,8 @@
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
-use serde_json::json;
 
+use super::bodies::{ErrorBody, ErrorDetail};
 use crate::actors::request::{ErrorKind, RequestError};
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -104,15 +104,16 @@ impl ResponseError for ApiError {
 
 impl ApiError {
     /// The JSON error object (also sent as a final SSE event when a stream fails).
-    pub fn body(&self) -> serde_json::Value {
-        json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind(),
-                "param": self.param,
-                "code": self.code.map(str::to_string).unwrap_or_else(|| self.status.as_u16().to_string()),
-            }
-        })
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.message.clone(),
+                kind: self.kind(),
+                param: self.param.clone(),
+                code: (self.code.map(str::to_string))
+                    .unwrap_or_else(|| self.status.as_u16().to_string()),
+            },
+        }
     }
 }
 
@@ -125,7 +126,7 @@ mod tests {
         let e = ApiError::from(RequestError::invalid("max_tokens: must be at least 1"));
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
-        let body = e.body();
+        let body = serde_json::to_value(e.body()).unwrap();
         assert_eq!(body["error"]["type"], "invalid_request_error");
         assert_eq!(body["error"]["param"], "max_tokens");
     }

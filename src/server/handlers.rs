@@ -2,11 +2,10 @@
 
 use std::sync::Arc;
 
-use actix_web::http::StatusCode;
-use actix_web::web;
-use actix_web::HttpResponse;
-use serde_json::json;
-
+use super::bodies::{
+    CacheMatch, ChatCompletion, ChatStreamEvent, GenerateResponse, GenerateStreamEvent, ModelCard,
+    ModelInfo, ModelList, SchedulerInfo, ServerInfo, TextCompletion, TextStreamEvent, Unhealthy,
+};
 use super::choices::Choices;
 use super::error::ApiError;
 use super::respond::{Api, Responder};
@@ -15,6 +14,9 @@ use super::{read_body, AppState};
 use crate::actors::model_actor::GetStats;
 use crate::actors::{GenerateRequest, Prompt};
 use crate::model::SamplingParams;
+use actix_web::http::StatusCode;
+use actix_web::web;
+use actix_web::HttpResponse;
 
 type State = web::Data<AppState>;
 
@@ -28,6 +30,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/get_server_info", web::get().to(server_info))
         .route("/metrics", web::get().to(metrics))
         .route("/cache/match", web::post().to(cache_match))
+        .route("/openapi.json", web::get().to(openapi))
         .default_service(web::to(not_found));
 }
 
@@ -68,6 +71,19 @@ fn rejected(state: &AppState) -> impl Fn(ApiError) -> ApiError + '_ {
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    request_body = ChatRequest,
+    responses((
+        status = 200,
+        description = "The completion; with `stream`, server-sent events of its chunks.",
+        content(
+            (ChatCompletion = "application/json"),
+            (ChatStreamEvent = "text/event-stream")
+        )
+    ))
+)]
 async fn chat(state: State, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
     let prepared = async {
@@ -82,6 +98,19 @@ async fn chat(state: State, payload: web::Payload) -> Result<HttpResponse, ApiEr
     run(state, Api::Chat, requests, req.stream, usage).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/completions",
+    request_body = CompletionRequest,
+    responses((
+        status = 200,
+        description = "The completion; with `stream`, server-sent events of its chunks.",
+        content(
+            (TextCompletion = "application/json"),
+            (TextStreamEvent = "text/event-stream")
+        )
+    ))
+)]
 async fn completions(state: State, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
     let prepared = async {
@@ -99,6 +128,20 @@ async fn completions(state: State, payload: web::Payload) -> Result<HttpResponse
     run(state, Api::Completion, requests, req.stream, usage).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/generate",
+    request_body = GenerateBody,
+    responses((
+        status = 200,
+        description = "SGLang's answer; with `stream`, server-sent events of it (the text so \
+            far).",
+        content(
+            (GenerateResponse = "application/json"),
+            (GenerateStreamEvent = "text/event-stream")
+        )
+    ))
+)]
 async fn generate(state: State, payload: web::Payload) -> Result<HttpResponse, ApiError> {
     let state = state.into_inner();
     let prepared = async {
@@ -110,57 +153,102 @@ async fn generate(state: State, payload: web::Payload) -> Result<HttpResponse, A
     run(state, Api::Generate, vec![request], stream, false).await
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 struct MatchQuery {
-    api: String,
+    /// The endpoint the body is for.
+    api: MatchApi,
+}
+
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum MatchApi {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Completion,
+    /// `/generate`
+    Generate,
 }
 
 /// How much of a request's prompt the first model holds in its prefix cache: the exact answer
 /// a gateway uses instead of guessing from text. The body is the request as it would be sent
 /// to `?api=chat` (`/v1/chat/completions`), `completion` or `generate`.
+#[utoipa::path(
+    post,
+    path = "/cache/match",
+    params(MatchQuery),
+    request_body(content = Object, description = "A chat, completion or generate request."),
+    responses((status = 200, body = CacheMatch))
+)]
 async fn cache_match(
     state: State,
-    query: web::Query<MatchQuery>,
+    req: actix_web::HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
+    let query = web::Query::<MatchQuery>::from_query(req.query_string()).map_err(|e| {
+        let message = format!("api: give ?api=chat, completion or generate ({e})");
+        ApiError::invalid("api", message)
+    })?;
     let body = read_body(payload, state.settings.max_body_bytes).await?;
-    let request = match query.api.as_str() {
-        "chat" => ChatRequest::parse(&body)?.to_request()?,
-        "completion" => CompletionRequest::parse(&body)?.to_request()?,
-        "generate" => parse::<GenerateBody>(&body)?.to_request()?,
-        other => {
-            let message = format!("api: '{other}' is not chat, completion or generate");
-            return Err(ApiError::invalid("api", message));
-        }
+    let request = match query.api {
+        MatchApi::Chat => ChatRequest::parse(&body)?.to_request()?,
+        MatchApi::Completion => CompletionRequest::parse(&body)?.to_request()?,
+        MatchApi::Generate => parse::<GenerateBody>(&body)?.to_request()?,
     };
     let (prompt_tokens, cached_tokens) = state.runtime.cached_prefix(&request)?;
-    Ok(HttpResponse::Ok().json(json!({
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached_tokens,
-        "block_size": state.runtime.block_size,
-    })))
+    Ok(HttpResponse::Ok().json(CacheMatch {
+        prompt_tokens,
+        cached_tokens,
+        block_size: state.runtime.block_size,
+    }))
 }
 
+#[utoipa::path(get, path = "/v1/models", responses((status = 200, body = ModelList)))]
 async fn models(state: State) -> HttpResponse {
-    let mut data = vec![
-        json!({"id": state.served_model, "object": "model", "created": state.created, "owned_by": "tokenrouter"}),
-    ];
-    for m in &state.config.models {
-        data.push(json!({"id": m.name, "object": "model", "created": state.created, "owned_by": "tokenrouter", "parent": state.served_model}));
-    }
-    HttpResponse::Ok().json(json!({"object": "list", "data": data}))
+    let card = |id: &str, parent: Option<&str>| ModelCard {
+        id: id.to_string(),
+        object: "model",
+        created: state.created,
+        owned_by: "tokenrouter",
+        parent: parent.map(str::to_string),
+    };
+    let served = std::iter::once(card(&state.served_model, None));
+    let routed = (state.config.models.iter()).map(|m| card(&m.name, Some(&state.served_model)));
+    HttpResponse::Ok().json(ModelList {
+        object: "list",
+        data: served.chain(routed).collect(),
+    })
 }
 
+#[utoipa::path(
+    get,
+    path = "/health",
+    responses(
+        (status = 200, description = "Every model is up."),
+        (status = 503, description = "A model is down.", body = Unhealthy)
+    )
+)]
 async fn health(state: State) -> HttpResponse {
     match state.runtime.unhealthy_model() {
         None => HttpResponse::Ok().finish(),
-        Some(name) => {
-            HttpResponse::ServiceUnavailable().json(json!({"status": "unhealthy", "model": name}))
-        }
+        Some(name) => HttpResponse::ServiceUnavailable().json(Unhealthy {
+            status: "unhealthy",
+            model: name.to_string(),
+        }),
     }
 }
 
+#[utoipa::path(
+    get,
+    path = "/health_generate",
+    responses(
+        (status = 200, description = "One token went through the runtime."),
+        (status = 503, description = "It did not.", body = super::bodies::ErrorBody),
+        (status = 504, description = "Not in the request timeout.", body = super::bodies::ErrorBody)
+    )
+)]
 /// Health that proves generation works: one greedy token through the runtime.
 async fn health_generate(state: State) -> Result<HttpResponse, ApiError> {
     let request = GenerateRequest::new(Prompt::Text("ping".into()), SamplingParams::greedy(), 1);
@@ -171,37 +259,56 @@ async fn health_generate(state: State) -> Result<HttpResponse, ApiError> {
     Ok(HttpResponse::Ok().finish())
 }
 
+#[utoipa::path(get, path = "/get_server_info", responses((status = 200, body = ServerInfo)))]
 async fn server_info(state: State) -> HttpResponse {
     let c = &state.config;
-    let models: Vec<_> = c
-        .models
-        .iter()
-        .zip(&state.kv)
-        .map(|(m, kv)| json!({
-            "name": m.name, "path": m.path, "role": m.role.map(|r| format!("{r:?}").to_lowercase()),
-            "batch_threshold": m.batch_threshold, "remote": m.remote,
-            "kv_blocks": kv.as_ref().map(|k| k.blocks), "kv_tokens": kv.as_ref().map(|k| k.tokens),
-            "kv_bytes": kv.as_ref().map(|k| k.bytes),
-        }))
+    let models = (c.models.iter().zip(&state.kv))
+        .map(|(m, kv)| ModelInfo {
+            name: m.name.clone(),
+            path: m.path.display().to_string(),
+            role: m.role.map(|r| format!("{r:?}").to_lowercase()),
+            batch_threshold: m.batch_threshold,
+            remote: m.remote.clone(),
+            kv_blocks: kv.as_ref().map(|k| k.blocks),
+            kv_tokens: kv.as_ref().map(|k| k.tokens),
+            kv_bytes: kv.as_ref().map(|k| k.bytes),
+        })
         .collect();
-    HttpResponse::Ok().json(json!({
-        "served_model": state.served_model,
-        "models": models,
-        "routing": format!("{:?}", c.routing),
-        "scheduler": {
-            "mode": format!("{:?}", c.scheduler.mode).to_lowercase(),
-            "thresholds": format!("{:?}", c.scheduler.thresholds).to_lowercase(),
-            "max_wait_ms": c.scheduler.max_wait_ms,
-            "max_batch_tokens": c.scheduler.max_batch_tokens,
-            "max_batch_requests": c.scheduler.max_batch_requests,
+    HttpResponse::Ok().json(ServerInfo {
+        served_model: state.served_model.clone(),
+        models,
+        routing: format!("{:?}", c.routing),
+        scheduler: SchedulerInfo {
+            mode: format!("{:?}", c.scheduler.mode).to_lowercase(),
+            thresholds: format!("{:?}", c.scheduler.thresholds).to_lowercase(),
+            max_wait_ms: c.scheduler.max_wait_ms,
+            max_batch_tokens: c.scheduler.max_batch_tokens,
+            max_batch_requests: c.scheduler.max_batch_requests,
         },
-        "kv_budget_mb": c.memory.kv_budget_mb,
-        "block_size": c.kv_cache.block_size,
-        "max_context": state.runtime.max_context,
-        "max_requests": state.settings.max_requests,
-    }))
+        kv_budget_mb: c.memory.kv_budget_mb,
+        block_size: c.kv_cache.block_size,
+        max_context: state.runtime.max_context,
+        max_requests: state.settings.max_requests,
+    })
 }
 
+/// This API's OpenAPI document.
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    responses((status = 200, description = "The OpenAPI 3.1 document.", body = Object))
+)]
+async fn openapi(state: State) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("application/json")
+        .body(state.openapi.clone())
+}
+
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    responses((status = 200, description = "Prometheus text format.", body = String, content_type = "text/plain"))
+)]
 async fn metrics(state: State) -> HttpResponse {
     let mut stats = Vec::new();
     for model in &state.runtime.models {

@@ -5,10 +5,12 @@
 //! forward pass ever runs on an HTTP worker thread. Knows nothing of tensors.
 
 pub(crate) mod auth;
+mod bodies;
 mod choices;
 pub mod error;
 mod handlers;
 mod metrics;
+pub mod openapi;
 mod respond;
 pub mod schema;
 
@@ -54,6 +56,8 @@ pub struct AppState {
     pub kv: Vec<Option<KvShare>>,
     pub metrics: Arc<Metrics>,
     pub settings: ServeSettings,
+    /// This server's OpenAPI document (`GET /openapi.json`).
+    pub openapi: String,
     admitted: AtomicUsize,
     created: u64,
 }
@@ -130,10 +134,16 @@ pub fn serve(
     }
     actix_web::rt::System::new().block_on(async move {
         let runtime = Runtime::start(&config, models)?;
-        let names = config.models.iter().map(|m| m.name.clone()).collect();
+        let names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
+        let served_model = String::from("tokenrouter");
+        let answers_to: Vec<String> = std::iter::once(&served_model)
+            .chain(&names)
+            .cloned()
+            .collect();
         let state = Arc::new(AppState {
+            openapi: openapi::document(&answers_to, runtime.shared().vocab_size),
             runtime: runtime.shared().clone(),
-            served_model: "tokenrouter".into(),
+            served_model,
             kv: runtime.kv_shares().to_vec(),
             metrics: Arc::new(Metrics::new(names)?),
             settings: settings.clone(),

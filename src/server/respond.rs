@@ -3,13 +3,17 @@
 //! routing outcome in a `routing` field: tokens per model, the LLM's share, handoffs; stream
 //! chunks name the model of their tokens.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use actix_web::web::Bytes;
 use actix_web::HttpResponse;
-use serde_json::{json, Value};
+use serde::Serialize;
 
+use super::bodies::{
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, Chunk, ChunkRouting, Delta,
+    Finish, GenerateFinish, GenerateResponse, Matched, MetaInfo, Routing, SpeculativeStats,
+    TextChoice, TextChunkChoice, TextCompletion, Usage,
+};
 use super::choices::{ChoiceResult, Choices};
 use super::error::ApiError;
 use super::AppState;
@@ -35,15 +39,16 @@ pub struct Responder {
     include_usage: bool,
 }
 
-fn finish_reason(s: &Summary) -> &'static str {
+fn finish_reason(s: &Summary) -> Finish {
     match s.finish {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
+        FinishReason::Stop => Finish::Stop,
+        FinishReason::Length => Finish::Length,
     }
 }
 
-fn sse(value: &Value) -> Bytes {
-    Bytes::from(format!("data: {value}\n\n"))
+fn sse(value: &impl Serialize) -> Bytes {
+    let json = serde_json::to_string(value).expect("response bodies serialize");
+    Bytes::from(format!("data: {json}\n\n"))
 }
 
 impl Responder {
@@ -70,7 +75,7 @@ impl Responder {
     /// Tokens per model, the LLM's share of them, and handoffs, summed over `summaries`;
     /// with speculative decoding, the drafts, the share accepted and the mean accepted per
     /// verification too.
-    fn routing<'a>(&self, summaries: impl Iterator<Item = &'a Summary>) -> Value {
+    fn routing<'a>(&self, summaries: impl Iterator<Item = &'a Summary>) -> Routing {
         let mut per_model = vec![0usize; self.names.len()];
         let mut handoffs = 0;
         let mut spec = Speculation::default();
@@ -84,62 +89,85 @@ impl Responder {
             spec.verifications += s.speculation.verifications;
         }
         let total: usize = per_model.iter().sum();
-        let by_name: BTreeMap<&str, usize> = self
-            .names
-            .iter()
-            .map(String::as_str)
-            .zip(per_model.iter().copied())
-            .collect();
-        let share = self.llm.map(|l| per_model[l] as f64 / total.max(1) as f64);
-        let mut routing =
-            json!({ "tokens_per_model": by_name, "llm_token_share": share, "handoffs": handoffs });
-        if spec.verifications > 0 {
-            routing["speculative"] = json!({
-                "drafted_tokens": spec.drafted,
-                "accepted_tokens": spec.accepted,
-                "verifications": spec.verifications,
-                "acceptance_rate": spec.accepted as f64 / spec.drafted.max(1) as f64,
-                "mean_accepted_length": spec.accepted as f64 / spec.verifications as f64,
-            });
+        Routing {
+            tokens_per_model: self
+                .names
+                .iter()
+                .cloned()
+                .zip(per_model.iter().copied())
+                .collect(),
+            llm_token_share: self.llm.map(|l| per_model[l] as f64 / total.max(1) as f64),
+            handoffs,
+            speculative: (spec.verifications > 0).then(|| SpeculativeStats {
+                drafted_tokens: spec.drafted,
+                accepted_tokens: spec.accepted,
+                verifications: spec.verifications,
+                acceptance_rate: spec.accepted as f64 / spec.drafted.max(1) as f64,
+                mean_accepted_length: spec.accepted as f64 / spec.verifications as f64,
+            }),
         }
-        routing
     }
 
-    fn usage(&self, results: &[ChoiceResult]) -> Value {
+    fn usage(&self, results: &[ChoiceResult]) -> Usage {
         let prompt = results.first().map_or(0, |r| r.prompt_tokens);
         let completion: usize = results
             .iter()
             .filter_map(|r| r.summary.as_ref())
             .map(|s| s.completion_tokens)
             .sum();
-        json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+        }
     }
 
     /// Runs every choice to the end and answers with one JSON body.
     pub async fn complete(self, choices: Choices) -> Result<HttpResponse, ApiError> {
         let results = choices.collect().await?;
         let summaries = || results.iter().filter_map(|r| r.summary.as_ref());
-        let body = match self.api {
-            Api::Generate => self.generate_body(&results[0], true),
-            Api::Chat | Api::Completion => {
-                let choices: Vec<Value> = results
-                    .iter()
-                    .enumerate()
-                    .map(|(i, r)| {
-                        let reason = r.summary.as_ref().map(finish_reason);
-                        match self.api {
-                            Api::Chat => json!({"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": null, "finish_reason": reason}),
-                            _ => json!({"index": i, "text": r.text, "logprobs": null, "finish_reason": reason}),
-                        }
+        let reasons = results
+            .iter()
+            .map(|r| r.summary.as_ref().map(finish_reason));
+        let mut response = HttpResponse::Ok();
+        Ok(match self.api {
+            Api::Generate => response.json(self.generate_body(&results[0], true)),
+            Api::Chat => response.json(ChatCompletion {
+                id: self.id.clone(),
+                object: self.object(false),
+                created: self.created,
+                model: self.model.clone(),
+                choices: (results.iter().zip(reasons).enumerate())
+                    .map(|(index, (r, finish_reason))| ChatChoice {
+                        index,
+                        message: AssistantMessage {
+                            role: "assistant",
+                            content: r.text.clone(),
+                        },
+                        logprobs: None,
+                        finish_reason,
                     })
-                    .collect();
-                json!({
-                    "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
-                    "choices": choices, "usage": self.usage(&results), "routing": self.routing(summaries()),
-                })
-            }
-        };
-        Ok(HttpResponse::Ok().json(body))
+                    .collect(),
+                usage: self.usage(&results),
+                routing: self.routing(summaries()),
+            }),
+            Api::Completion => response.json(TextCompletion {
+                id: self.id.clone(),
+                object: self.object(false),
+                created: self.created,
+                model: self.model.clone(),
+                choices: (results.iter().zip(reasons).enumerate())
+                    .map(|(index, (r, finish_reason))| TextChoice {
+                        index,
+                        text: r.text.clone(),
+                        logprobs: None,
+                        finish_reason,
+                    })
+                    .collect(),
+                usage: self.usage(&results),
+                routing: self.routing(summaries()),
+            }),
+        })
     }
 
     fn object(&self, chunk: bool) -> &'static str {
@@ -151,43 +179,84 @@ impl Responder {
     }
 
     /// SGLang's `/generate` body: text so far, output ids, and `meta_info`.
-    fn generate_body(&self, r: &ChoiceResult, done: bool) -> Value {
+    fn generate_body(&self, r: &ChoiceResult, done: bool) -> GenerateResponse {
         let finish = r.summary.as_ref().filter(|_| done).map(|s| match &s.stop {
-            Some(stop) => json!({"type": "stop", "matched": stop}),
-            None if s.finish == FinishReason::Stop => {
-                json!({"type": "stop", "matched": r.tokens.last().map(|t| t.0)})
-            }
-            None => json!({"type": "length", "length": s.completion_tokens}),
+            Some(stop) => GenerateFinish::Stop {
+                matched: Some(Matched::Text(stop.clone())),
+            },
+            None if s.finish == FinishReason::Stop => GenerateFinish::Stop {
+                matched: r.tokens.last().map(|t| Matched::Token(t.0)),
+            },
+            None => GenerateFinish::Length {
+                length: s.completion_tokens,
+            },
         });
-        json!({
-            "text": r.text,
-            "output_ids": r.tokens.iter().map(|t| t.0).collect::<Vec<_>>(),
-            "meta_info": {
-                "id": self.id,
-                "prompt_tokens": r.prompt_tokens,
-                "completion_tokens": r.tokens.len(),
-                "finish_reason": finish,
-                "e2e_latency": r.summary.as_ref().map(|s| s.e2e.as_secs_f64()),
-                "routing": r.summary.as_ref().map(|s| self.routing(std::iter::once(s))),
-            }
-        })
+        GenerateResponse {
+            text: r.text.clone(),
+            output_ids: r.tokens.iter().map(|t| t.0).collect(),
+            meta_info: MetaInfo {
+                id: self.id.clone(),
+                prompt_tokens: r.prompt_tokens,
+                completion_tokens: r.tokens.len(),
+                finish_reason: finish,
+                e2e_latency: r.summary.as_ref().map(|s| s.e2e.as_secs_f64()),
+                routing: r.summary.as_ref().map(|s| self.routing(std::iter::once(s))),
+            },
+        }
     }
 
-    /// A chunk of the OpenAI stream for choice `i`.
-    fn chunk(&self, i: usize, delta: Value, reason: Option<&str>, extra: Option<Value>) -> Value {
-        let choice = match self.api {
-            Api::Chat => {
-                json!({"index": i, "delta": delta, "logprobs": null, "finish_reason": reason})
-            }
-            _ => {
-                json!({"index": i, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": null, "finish_reason": reason})
-            }
-        };
-        let mut chunk = json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [choice]});
-        if let Some(extra) = extra {
-            chunk["routing"] = extra;
+    /// A chunk of the OpenAI stream: choice `i`'s `delta` (a chat role or text; `None`: the
+    /// end, with its reason), or with no choice, the usage.
+    fn chunk(
+        &self,
+        choice: Option<(usize, Delta, Option<Finish>)>,
+        usage: Option<Usage>,
+        routing: Option<ChunkRouting>,
+    ) -> Bytes {
+        let choices = choice.into_iter();
+        match self.api {
+            Api::Chat => self.chunk_of(
+                choices
+                    .map(|(index, delta, finish_reason)| ChatChunkChoice {
+                        index,
+                        delta,
+                        logprobs: None,
+                        finish_reason,
+                    })
+                    .collect(),
+                usage,
+                routing,
+            ),
+            _ => self.chunk_of(
+                choices
+                    .map(|(index, delta, finish_reason)| TextChunkChoice {
+                        index,
+                        text: delta.content.unwrap_or_default(),
+                        logprobs: None,
+                        finish_reason,
+                    })
+                    .collect(),
+                usage,
+                routing,
+            ),
         }
-        chunk
+    }
+
+    fn chunk_of<C: Serialize>(
+        &self,
+        choices: Vec<C>,
+        usage: Option<Usage>,
+        routing: Option<ChunkRouting>,
+    ) -> Bytes {
+        sse(&Chunk {
+            id: self.id.clone(),
+            object: self.object(true),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+            routing,
+        })
     }
 
     /// Answers with an SSE stream once every choice is admitted (so a bad request still gets
@@ -198,12 +267,11 @@ impl Responder {
         let mut first = Vec::new();
         if self.api == Api::Chat {
             for i in 0..choices.n {
-                first.extend_from_slice(&sse(&self.chunk(
-                    i,
-                    json!({"role": "assistant", "content": ""}),
-                    None,
-                    None,
-                )));
+                let delta = Delta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                };
+                first.extend_from_slice(&self.chunk(Some((i, delta, None)), None, None));
             }
         }
         let open = choices.n;
@@ -254,30 +322,39 @@ impl StreamState {
                 RequestEvent::Text { text, tokens } => {
                     let res = &mut self.results[i];
                     res.text.push_str(&text);
-                    let models: Vec<&str> = tokens.iter().map(|t| r.names[t.1].as_str()).collect();
+                    let models = tokens.iter().map(|t| r.names[t.1].clone()).collect();
                     res.tokens.extend(tokens);
                     if text.is_empty() {
                         continue;
                     }
-                    return Some(sse(&match r.api {
-                        Api::Generate => r.generate_body(res, false),
-                        _ => r.chunk(
-                            i,
-                            json!({"content": text}),
-                            None,
-                            Some(json!({"models": models})),
-                        ),
-                    }));
+                    return Some(match r.api {
+                        Api::Generate => sse(&r.generate_body(res, false)),
+                        _ => {
+                            let delta = Delta {
+                                role: None,
+                                content: Some(text),
+                            };
+                            r.chunk(
+                                Some((i, delta, None)),
+                                None,
+                                Some(ChunkRouting::Tokens { models }),
+                            )
+                        }
+                    });
                 }
                 RequestEvent::Finished(s) => {
                     self.open -= 1;
                     let routing = r.routing(std::iter::once(&s));
                     let reason = finish_reason(&s);
                     self.results[i].summary = Some(s);
-                    return Some(sse(&match r.api {
-                        Api::Generate => r.generate_body(&self.results[i], true),
-                        _ => r.chunk(i, json!({}), Some(reason), Some(routing)),
-                    }));
+                    return Some(match r.api {
+                        Api::Generate => sse(&r.generate_body(&self.results[i], true)),
+                        _ => r.chunk(
+                            Some((i, Delta::default(), Some(reason))),
+                            None,
+                            Some(ChunkRouting::Outcome(routing)),
+                        ),
+                    });
                 }
                 RequestEvent::Failed(e) => {
                     self.open = 0;
@@ -292,9 +369,7 @@ impl StreamState {
         self.done = true;
         let mut tail = Vec::new();
         if r.include_usage && r.api != Api::Generate {
-            let usage = json!({"id": r.id, "object": r.object(true), "created": r.created, "model": r.model,
-                "choices": [], "usage": r.usage(&self.results)});
-            tail.extend_from_slice(&sse(&usage));
+            tail.extend_from_slice(&r.chunk(None, Some(r.usage(&self.results)), None));
         }
         tail.extend_from_slice(b"data: [DONE]\n\n");
         Some(Bytes::from(tail))

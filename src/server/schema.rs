@@ -4,6 +4,7 @@
 
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use utoipa::ToSchema;
 
 use super::error::ApiError;
 use crate::actors::{GenerateRequest, Prompt};
@@ -54,8 +55,22 @@ fn read_nested<T: DeserializeOwned + Default>(
     read(value, Some(prefix))
 }
 
+/// A model name this server answers to: the document a server publishes lists its own.
+#[derive(ToSchema)]
+#[allow(dead_code)] // a schema only: requests carry the name as a string
+pub struct ModelName(String);
+
+/// A token id of the served tokenizer: the document a server publishes states its vocabulary.
+#[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
+#[serde(transparent)]
+pub struct TokenId(pub u32);
+
+fn ids(tokens: &[TokenId]) -> Vec<u32> {
+    tokens.iter().map(|t| t.0).collect()
+}
+
 /// `stop`: one string or a list.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum Stop {
     One(String),
@@ -71,115 +86,214 @@ impl Stop {
     }
 }
 
-/// Sampling fields every endpoint shares; absent ones take the sampler's defaults.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// Sampling fields every endpoint shares; absent ones take the sampler's defaults. The ranges
+/// stated are the ones `SamplingParams::validate` enforces.
+/// Read as JSON numbers are (f64) and narrowed for the sampler by [`narrow`].
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct SamplingFields {
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
+    /// 0: greedy. Default 1.
+    #[schema(minimum = 0, maximum = 100)]
+    pub temperature: Option<f64>,
+    /// Nucleus sampling's probability mass. Default 1.
+    #[schema(exclusive_minimum = 0, maximum = 1)]
+    pub top_p: Option<f64>,
+    /// -1 or 0: no limit.
+    #[schema(minimum = -1)]
     pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
+    #[schema(minimum = 0, maximum = 1)]
+    pub min_p: Option<f64>,
+    /// Fixes the draws; without it they differ per request.
     pub seed: Option<u64>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
+    #[schema(minimum = -2, maximum = 2)]
+    pub presence_penalty: Option<f64>,
+    #[schema(minimum = -2, maximum = 2)]
+    pub frequency_penalty: Option<f64>,
+    /// 1: off. Default 1.
+    #[schema(exclusive_minimum = 0, maximum = 10)]
+    pub repetition_penalty: Option<f64>,
+}
+
+/// A request's number as the sampler's f32, keeping its sign and whether it is zero: a
+/// positive value too small for f32 becomes the smallest positive f32 rather than 0, so a
+/// `top_p` of 1e-300 is the tiny mass it asks for, not an out-of-range 0.
+fn narrow(value: f64) -> f32 {
+    let narrowed = value as f32;
+    if narrowed == 0.0 && value != 0.0 {
+        f32::from_bits(1).copysign(value as f32)
+    } else {
+        narrowed
+    }
 }
 
 /// The sampling fields of both OpenAI endpoints.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct OpenAiSampling {
-    #[serde(skip)]
+    #[serde(flatten)]
     pub fields: SamplingFields,
     pub stop: Option<Stop>,
+    /// Choices to generate. Default 1.
+    #[schema(minimum = 1, maximum = 16)]
     pub n: Option<usize>,
     pub ignore_eos: Option<bool>,
+    /// Only `false` (or null): log probabilities are not returned yet.
+    #[schema(value_type = Option<bool>)]
     pub logprobs: Option<serde_json::Value>,
     pub top_logprobs: Option<u32>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatRequest {
+    /// The served model's name or one of the routed set's (`GET /v1/models`); absent: the
+    /// served model.
+    #[schema(value_type = Option<ModelName>)]
     pub model: Option<String>,
+    #[schema(min_items = 1, value_type = Vec<MessageShape>)]
     pub messages: Vec<ChatMessageIn>,
+    /// Most tokens to generate; absent: up to the context.
+    #[schema(minimum = 1)]
     pub max_tokens: Option<usize>,
+    /// Takes precedence over `max_tokens`.
+    #[schema(minimum = 1)]
     pub max_completion_tokens: Option<usize>,
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
-    #[serde(skip)]
+    #[serde(flatten)]
     pub sampling: OpenAiSampling,
 }
 
-/// The message roles OpenAI's chat API accepts.
-const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+/// The message roles of OpenAI's chat API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+    Tool,
+}
 
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Self::System => "system",
+            Self::Developer => "developer",
+            Self::User => "user",
+            Self::Assistant => "assistant",
+            Self::Tool => "tool",
+        }
+    }
+}
+
+/// A chat message; only an assistant's may omit its content. (Parsed as a struct so that an
+/// error names `role` or `content`; [`MessageShape`] states the rule for the document.)
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessageIn {
-    pub role: String,
+    pub role: Role,
     pub content: Option<Content>,
 }
 
-/// Message content: a string, or a list of parts of which the text ones are used.
-#[derive(Debug, Clone, Deserialize)]
+/// A chat message as the document states it, one shape per role: what [`ChatRequest`]'s
+/// checks accept (a unit test holds the two together).
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(tag = "role", rename_all = "lowercase")]
+pub enum MessageShape {
+    System { content: Content },
+    Developer { content: Content },
+    User { content: Content },
+    Assistant { content: Option<Content> },
+    Tool { content: Content },
+}
+
+/// Message content: a string, or a list of text parts.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum Content {
     Text(String),
     Parts(Vec<ContentPart>),
 }
 
-#[derive(Debug, Clone, Deserialize)]
+/// A content part; only `text` parts are supported. (Parsed loosely so that an unsupported
+/// part is named as such.)
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ContentPart {
     #[serde(rename = "type")]
+    #[schema(value_type = PartKind)]
     pub kind: String,
+    #[schema(value_type = String, required = true)]
     pub text: Option<String>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+/// The content part types supported.
+#[derive(ToSchema)]
+#[serde(rename_all = "lowercase")]
+#[allow(dead_code)] // a schema only: `ContentPart` reads the type as a string
+pub enum PartKind {
+    Text,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct CompletionRequest {
+    /// As in a chat request.
+    #[schema(value_type = Option<ModelName>)]
     pub model: Option<String>,
     pub prompt: CompletionPrompt,
+    /// Most tokens to generate. Default 16.
+    #[schema(minimum = 1)]
     pub max_tokens: Option<usize>,
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// Only `false`: echoing the prompt is not supported.
     #[serde(default)]
     pub echo: bool,
-    #[serde(skip)]
+    #[serde(flatten)]
     pub sampling: OpenAiSampling,
 }
 
 /// `prompt`: a string, token ids, or a batch of one of either.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum CompletionPrompt {
     Text(String),
-    Tokens(Vec<u32>),
+    Tokens(Vec<TokenId>),
     Texts(Vec<String>),
-    TokenLists(Vec<Vec<u32>>),
+    TokenLists(Vec<Vec<TokenId>>),
 }
 
-/// SGLang's `/generate`.
-#[derive(Debug, Clone, Deserialize)]
+/// SGLang's `POST /generate`: exactly one of `text` and `input_ids`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct GenerateBody {
     pub text: Option<String>,
+    #[schema(value_type = Option<Vec<TokenId>>, min_items = 1)]
     pub input_ids: Option<Vec<u32>>,
+    /// Read once the body is known to be an object, naming `sampling_params.field` on error.
     #[serde(default)]
+    #[schema(value_type = Option<NativeSampling>)]
     pub sampling_params: serde_json::Value,
     #[serde(default)]
     pub stream: bool,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+/// `sampling_params` of `/generate`.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct NativeSampling {
+    /// Default 128.
+    #[schema(minimum = 1)]
     pub max_new_tokens: Option<usize>,
     pub stop: Option<Stop>,
     #[serde(default)]
     pub ignore_eos: bool,
+    #[serde(flatten)]
+    pub fields: SamplingFields,
 }
 
 /// Largest `n` a request may ask for.
@@ -199,14 +313,15 @@ impl SamplingFields {
                 ))
             }
         };
+        let or = |value: Option<f64>, default: f32| value.map_or(default, narrow);
         let params = SamplingParams {
-            temperature: self.temperature.unwrap_or(d.temperature),
-            top_p: self.top_p.unwrap_or(d.top_p),
+            temperature: or(self.temperature, d.temperature),
+            top_p: or(self.top_p, d.top_p),
             top_k,
-            min_p: self.min_p.unwrap_or(d.min_p),
-            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
-            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
-            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            min_p: or(self.min_p, d.min_p),
+            presence_penalty: or(self.presence_penalty, d.presence_penalty),
+            frequency_penalty: or(self.frequency_penalty, d.frequency_penalty),
+            repetition_penalty: or(self.repetition_penalty, d.repetition_penalty),
             seed: self.seed,
         };
         params.validate().map_err(|e| match e {
@@ -260,22 +375,18 @@ impl OpenAiSampling {
     }
 }
 
-/// An OpenAI body, parsed once: the endpoint's own fields and the sampling fields.
-fn parse_openai<T: DeserializeOwned>(body: &[u8]) -> Result<(T, OpenAiSampling), ApiError> {
+/// An OpenAI body: the sampling fields are read on their own first, so that an error in one
+/// names its field (a flattened field's error would not).
+fn parse_openai<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let body = json(body)?;
-    let request = read(&body, None)?;
-    let mut sampling: OpenAiSampling = read(&body, None)?;
-    sampling.fields = read(&body, None)?;
-    Ok((request, sampling))
+    read::<SamplingFields>(&body, None)?;
+    read::<OpenAiSampling>(&body, None)?;
+    read(&body, None)
 }
 
 impl ChatRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let (request, sampling) = parse_openai::<Self>(body)?;
-        Ok(Self {
-            sampling,
-            ..request
-        })
+        parse_openai(body)
     }
 
     pub fn to_request(&self) -> Result<GenerateRequest, ApiError> {
@@ -290,25 +401,15 @@ impl ChatRequest {
             .iter()
             .enumerate()
             .map(|(i, m)| {
-                if !ROLES.contains(&m.role.as_str()) {
-                    return Err(ApiError::invalid(
-                        &format!("messages[{i}].role"),
-                        format!(
-                            "messages[{i}].role: '{}' is not one of {}",
-                            m.role,
-                            ROLES.join(", ")
-                        ),
-                    ));
-                }
                 let field = format!("messages[{i}].content");
                 let content = match &m.content {
                     // Only an assistant turn may come without content (OpenAI's carries tool
                     // calls then, which are not supported here: it renders empty).
-                    None if m.role == "assistant" => String::new(),
+                    None if m.role == Role::Assistant => String::new(),
                     None => {
                         return Err(ApiError::invalid(
                             &field,
-                            format!("{field}: required for a '{}' message", m.role),
+                            format!("{field}: required for a '{}' message", m.role.name()),
                         ))
                     }
                     Some(Content::Text(t)) => t.clone(),
@@ -331,9 +432,21 @@ impl ChatRequest {
                         parts.iter().filter_map(|p| p.text.as_deref()).collect()
                     }
                 };
-                Ok(ChatMessage::new(&m.role, &content))
+                Ok(ChatMessage::new(m.role.name(), &content))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // Both limits are checked, though the first wins: a request is valid or not as a whole.
+        for (field, limit) in [
+            ("max_completion_tokens", self.max_completion_tokens),
+            ("max_tokens", self.max_tokens),
+        ] {
+            if limit == Some(0) {
+                return Err(ApiError::invalid(
+                    field,
+                    format!("{field}: must be at least 1"),
+                ));
+            }
+        }
         let max_tokens = self.max_completion_tokens.or(self.max_tokens);
         self.sampling.request(Prompt::Chat(messages), max_tokens)
     }
@@ -341,19 +454,15 @@ impl ChatRequest {
 
 impl CompletionRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let (request, sampling) = parse_openai::<Self>(body)?;
-        Ok(Self {
-            sampling,
-            ..request
-        })
+        parse_openai(body)
     }
 
     pub fn to_request(&self) -> Result<GenerateRequest, ApiError> {
         let prompt = match &self.prompt {
             CompletionPrompt::Text(t) => Prompt::Text(t.clone()),
-            CompletionPrompt::Tokens(ids) => Prompt::Tokens(ids.clone()),
+            CompletionPrompt::Tokens(t) => Prompt::Tokens(ids(t)),
             CompletionPrompt::Texts(v) if v.len() == 1 => Prompt::Text(v[0].clone()),
-            CompletionPrompt::TokenLists(v) if v.len() == 1 => Prompt::Tokens(v[0].clone()),
+            CompletionPrompt::TokenLists(v) if v.len() == 1 => Prompt::Tokens(ids(&v[0])),
             _ => return Err(ApiError::invalid(
                 "prompt",
                 "prompt: batches of several prompts are not supported; send one request per prompt",
@@ -381,11 +490,11 @@ impl GenerateBody {
                 ))
             }
         };
+        read_nested::<SamplingFields>(&self.sampling_params, "sampling_params")?;
         let s: NativeSampling = read_nested(&self.sampling_params, "sampling_params")?;
-        let fields: SamplingFields = read_nested(&self.sampling_params, "sampling_params")?;
         Ok(GenerateRequest {
             prompt,
-            params: fields.params()?,
+            params: s.fields.params()?,
             max_tokens: Some(s.max_new_tokens.unwrap_or(128)),
             stop: s.stop.clone().map(Stop::into_vec).unwrap_or_default(),
             ignore_eos: s.ignore_eos,
@@ -419,9 +528,7 @@ mod tests {
     #[test]
     fn roles_and_required_content_are_checked() {
         let param = |body: &[u8]| {
-            ChatRequest::parse(body)
-                .unwrap()
-                .to_request()
+            (ChatRequest::parse(body).and_then(|r| r.to_request()))
                 .err()
                 .and_then(|e| e.param)
         };
@@ -486,5 +593,44 @@ mod tests {
             body.to_request().unwrap_err().param.as_deref(),
             Some("text")
         );
+    }
+
+    /// The document's per-role message shapes accept exactly the messages the checks do.
+    #[test]
+    fn message_shapes_match_the_checks() {
+        let contents = [
+            None,
+            Some(r#""hi""#),
+            Some(r#"[{"type": "text", "text": "a"}]"#),
+        ];
+        for role in ["system", "developer", "user", "assistant", "tool", "wizard"] {
+            for content in contents {
+                let message = match content {
+                    Some(c) => format!(r#"{{"role": "{role}", "content": {c}}}"#),
+                    None => format!(r#"{{"role": "{role}"}}"#),
+                };
+                let shape = serde_json::from_str::<MessageShape>(&message).is_ok();
+                let body = format!(r#"{{"messages": [{message}]}}"#);
+                let checked = ChatRequest::parse(body.as_bytes()).and_then(|r| r.to_request());
+                assert_eq!(shape, checked.is_ok(), "{message}");
+            }
+        }
+    }
+
+    /// A positive value below f32's range stays positive; zero and signs are kept.
+    #[test]
+    fn narrowing_keeps_positive_values_positive() {
+        assert!(narrow(5e-324) > 0.0);
+        assert!(narrow(-5e-324) < 0.0);
+        assert_eq!(narrow(0.0), 0.0);
+        assert_eq!(narrow(0.5), 0.5);
+        assert!(narrow(1e300).is_infinite());
+        let top_p = br#"{"messages": [{"role": "user", "content": "q"}], "top_p": 5e-324}"#;
+        let params = ChatRequest::parse(top_p)
+            .unwrap()
+            .to_request()
+            .unwrap()
+            .params;
+        assert!(params.top_p > 0.0);
     }
 }
