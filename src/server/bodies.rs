@@ -62,19 +62,6 @@ pub struct ChatChoice {
     pub finish_reason: Option<Finish>,
 }
 
-/// `POST /v1/chat/completions` without `stream`.
-#[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct ChatCompletion {
-    pub id: String,
-    /// Always `chat.completion`.
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChoice>,
-    pub usage: Usage,
-    pub routing: Routing,
-}
-
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct TextChoice {
     pub index: usize,
@@ -85,15 +72,15 @@ pub struct TextChoice {
     pub finish_reason: Option<Finish>,
 }
 
-/// `POST /v1/completions` without `stream`.
+/// A completion without `stream`: `chat.completion` (of `ChatChoice`s) or `text_completion`
+/// (of `TextChoice`s).
 #[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct TextCompletion {
+pub struct Completion<C> {
     pub id: String,
-    /// Always `text_completion`.
     pub object: &'static str,
     pub created: u64,
     pub model: String,
-    pub choices: Vec<TextChoice>,
+    pub choices: Vec<C>,
     pub usage: Usage,
     pub routing: Routing,
 }

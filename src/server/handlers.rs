@@ -3,8 +3,9 @@
 use std::sync::Arc;
 
 use super::bodies::{
-    CacheMatch, ChatCompletion, ChatStreamEvent, GenerateResponse, GenerateStreamEvent, ModelCard,
-    ModelInfo, ModelList, SchedulerInfo, ServerInfo, TextCompletion, TextStreamEvent, Unhealthy,
+    CacheMatch, ChatChoice, ChatStreamEvent, Completion, GenerateResponse, GenerateStreamEvent,
+    ModelCard, ModelInfo, ModelList, SchedulerInfo, ServerInfo, TextChoice, TextStreamEvent,
+    Unhealthy,
 };
 use super::choices::Choices;
 use super::error::ApiError;
@@ -79,7 +80,7 @@ fn rejected(state: &AppState) -> impl Fn(ApiError) -> ApiError + '_ {
         status = 200,
         description = "The completion; with `stream`, server-sent events of its chunks.",
         content(
-            (ChatCompletion = "application/json"),
+            (Completion<ChatChoice> = "application/json"),
             (ChatStreamEvent = "text/event-stream")
         )
     ))
@@ -106,7 +107,7 @@ async fn chat(state: State, payload: web::Payload) -> Result<HttpResponse, ApiEr
         status = 200,
         description = "The completion; with `stream`, server-sent events of its chunks.",
         content(
-            (TextCompletion = "application/json"),
+            (Completion<TextChoice> = "application/json"),
             (TextStreamEvent = "text/event-stream")
         )
     ))

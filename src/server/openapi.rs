@@ -172,7 +172,7 @@ mod tests {
                 "{event}"
             );
         }
-        assert!(schemas.get("ChatCompletion").is_some());
+        assert!(schemas.get("Completion_ChatChoice").is_some());
         assert!(schemas.get("ErrorBody").is_some());
     }
 }

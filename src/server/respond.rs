@@ -10,9 +10,9 @@ use actix_web::HttpResponse;
 use serde::Serialize;
 
 use super::bodies::{
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, Chunk, ChunkRouting, Delta,
-    Finish, GenerateFinish, GenerateResponse, Matched, MetaInfo, Routing, SpeculativeStats,
-    TextChoice, TextChunkChoice, TextCompletion, Usage,
+    AssistantMessage, ChatChoice, ChatChunkChoice, Chunk, ChunkRouting, Completion, Delta, Finish,
+    GenerateFinish, GenerateResponse, Matched, MetaInfo, Routing, SpeculativeStats, TextChoice,
+    TextChunkChoice, Usage,
 };
 use super::choices::{ChoiceResult, Choices};
 use super::error::ApiError;
@@ -125,20 +125,12 @@ impl Responder {
     /// Runs every choice to the end and answers with one JSON body.
     pub async fn complete(self, choices: Choices) -> Result<HttpResponse, ApiError> {
         let results = choices.collect().await?;
-        let summaries = || results.iter().filter_map(|r| r.summary.as_ref());
-        let reasons = results
-            .iter()
-            .map(|r| r.summary.as_ref().map(finish_reason));
         let mut response = HttpResponse::Ok();
         Ok(match self.api {
             Api::Generate => response.json(self.generate_body(&results[0], true)),
-            Api::Chat => response.json(ChatCompletion {
-                id: self.id.clone(),
-                object: self.object(false),
-                created: self.created,
-                model: self.model.clone(),
-                choices: (results.iter().zip(reasons).enumerate())
-                    .map(|(index, (r, finish_reason))| ChatChoice {
+            Api::Chat => {
+                response.json(
+                    self.completion(&results, |index, r, finish_reason| ChatChoice {
                         index,
                         message: AssistantMessage {
                             role: "assistant",
@@ -146,28 +138,38 @@ impl Responder {
                         },
                         logprobs: None,
                         finish_reason,
-                    })
-                    .collect(),
-                usage: self.usage(&results),
-                routing: self.routing(summaries()),
-            }),
-            Api::Completion => response.json(TextCompletion {
-                id: self.id.clone(),
-                object: self.object(false),
-                created: self.created,
-                model: self.model.clone(),
-                choices: (results.iter().zip(reasons).enumerate())
-                    .map(|(index, (r, finish_reason))| TextChoice {
-                        index,
-                        text: r.text.clone(),
-                        logprobs: None,
-                        finish_reason,
-                    })
-                    .collect(),
-                usage: self.usage(&results),
-                routing: self.routing(summaries()),
-            }),
+                    }),
+                )
+            }
+            Api::Completion => response.json(self.completion(
+                &results,
+                |index, r, finish_reason| TextChoice {
+                    index,
+                    text: r.text.clone(),
+                    logprobs: None,
+                    finish_reason,
+                },
+            )),
         })
+    }
+
+    /// The whole body of an OpenAI completion, each result made a choice by `choice`.
+    fn completion<C>(
+        &self,
+        results: &[ChoiceResult],
+        choice: impl Fn(usize, &ChoiceResult, Option<Finish>) -> C,
+    ) -> Completion<C> {
+        let choices = results.iter().enumerate();
+        Completion {
+            id: self.id.clone(),
+            object: self.object(false),
+            created: self.created,
+            model: self.model.clone(),
+            choices: (choices.map(|(i, r)| choice(i, r, r.summary.as_ref().map(finish_reason))))
+                .collect(),
+            usage: self.usage(results),
+            routing: self.routing(results.iter().filter_map(|r| r.summary.as_ref())),
+        }
     }
 
     fn object(&self, chunk: bool) -> &'static str {
