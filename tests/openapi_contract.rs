@@ -37,6 +37,8 @@ fn schemathesis_finds_no_server_error_and_no_schema_violation() {
         .args(["--report", "junit", "--report-junit-path"])
         .arg(report.path().join("junit.xml"))
         .env("NO_COLOR", "1")
+        // schemathesis keeps a cache in its working directory: the scratch one, not the repo.
+        .current_dir(report.path())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
