@@ -12,6 +12,7 @@ mod handlers;
 mod metrics;
 pub mod openapi;
 mod respond;
+mod sampling;
 pub mod schema;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
