@@ -13,6 +13,7 @@ pub mod worker;
 
 pub use model_actor::ModelActor;
 pub use request::{
-    GenerateRequest, Prompt, RequestActor, RequestEvent, RequestHandle, RuntimeShared, Summary,
+    prompt_tokens, GenerateRequest, Prompt, RequestActor, RequestEvent, RequestHandle,
+    RuntimeShared, Summary,
 };
 pub use runtime::{load_model, load_models, run_subserver, Runtime, SubserverArgs};

@@ -127,7 +127,7 @@ pub struct Cancel;
 
 mod shared;
 mod state;
-pub use shared::{Admitted, RequestHandle, RuntimeShared};
+pub use shared::{prompt_tokens, Admitted, RequestHandle, RuntimeShared};
 pub use state::RequestState;
 
 pub struct RequestActor {

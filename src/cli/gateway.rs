@@ -25,6 +25,10 @@ pub struct GatewayArgs {
     /// More accepted keys, one per line (blank lines and lines starting with # are skipped).
     #[arg(long, env = "TOKENROUTER_GATEWAY_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
+    /// The workers' API key, shown to their KV-cache event streams with
+    /// --exact-prefix-match (clients' requests pass their own key through).
+    #[arg(long, env = "TOKENROUTER_GATEWAY_WORKER_API_KEY")]
+    pub worker_api_key: Option<String>,
     #[command(flatten)]
     pub routing: GatewayRouting,
 }
@@ -95,10 +99,19 @@ pub struct GatewayRouting {
     /// Characters of routing text kept per worker in the prefix tree.
     #[arg(long, env = "TOKENROUTER_GATEWAY_MAX_TREE_SIZE", default_value_t = 1 << 22)]
     pub max_tree_size: usize,
-    /// Ask the workers how much of each prompt their prefix caches hold (exact, per request)
-    /// instead of guessing from the text tree, which stays as the fallback.
+    /// Route cache-aware on an exact index of every worker's prefix cache, kept from the
+    /// KV-cache events the workers publish (`GET /cache/events`), with each request tokenized
+    /// once with the workers' vocabulary, instead of the approximate text tree.
     #[arg(long, env = "TOKENROUTER_GATEWAY_EXACT_PREFIX_MATCH")]
     pub exact_prefix_match: bool,
+    /// With --exact-prefix-match: a worker's cost is this weight times the blocks it would
+    /// still have to prefill, plus the blocks of the requests in flight there.
+    #[arg(
+        long,
+        env = "TOKENROUTER_GATEWAY_OVERLAP_WEIGHT",
+        default_value_t = 1.0
+    )]
+    pub overlap_weight: f64,
     /// Seconds between prefix-tree evictions.
     #[arg(
         long,
@@ -197,6 +210,7 @@ impl GatewayRouting {
         port: u16,
         worker_urls: Vec<String>,
         api_keys: Vec<String>,
+        worker_api_key: Option<String>,
     ) -> anyhow::Result<GatewaySettings> {
         for url in &worker_urls {
             if !url.starts_with("http://") {
@@ -207,6 +221,9 @@ impl GatewayRouting {
             || !(0.0..=1.0).contains(&self.cache_routing_prob)
         {
             anyhow::bail!("--cache-threshold and --cache-routing-prob must lie in [0, 1]");
+        }
+        if !self.overlap_weight.is_finite() || self.overlap_weight < 0.0 {
+            anyhow::bail!("--overlap-weight must be a number >= 0");
         }
         if self.balance_rel_threshold < 1.0
             || self.health_failure_threshold == 0
@@ -228,7 +245,8 @@ impl GatewayRouting {
                 balance_rel_threshold: self.balance_rel_threshold,
                 cache_routing_prob: self.cache_routing_prob,
                 max_tree_size: self.max_tree_size,
-                use_reports: self.exact_prefix_match,
+                exact: self.exact_prefix_match,
+                overlap_weight: self.overlap_weight,
             },
             eviction_interval: seconds("eviction-interval", self.eviction_interval)?,
             health: HealthPolicy {
@@ -253,6 +271,7 @@ impl GatewayRouting {
             threads: self.threads.max(1),
             seed: self.seed,
             api_keys,
+            worker_api_key,
         })
     }
 }
@@ -266,6 +285,7 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         args.port,
         args.worker_urls.clone(),
         args.api_keys()?,
+        args.worker_api_key.clone(),
     )?;
     tokenrouter::gateway::run(settings)
 }

@@ -95,9 +95,10 @@ impl ServeArgs {
             &kernels.env(),
             ready_within,
         )?;
-        // The gateway asks for the servers' key too: it is the front door.
-        let keys = api_key.into_iter().collect();
-        let settings = self.gateway.settings(host, port, urls, keys)?;
+        // The gateway asks for the servers' key too: it is the front door, and it shows the
+        // key to the servers' event streams.
+        let keys = api_key.iter().cloned().collect();
+        let settings = self.gateway.settings(host, port, urls, keys, api_key)?;
         let result = tokenrouter::gateway::run(settings);
         drop(servers);
         result

@@ -88,6 +88,7 @@ async fn metrics(state: State) -> HttpResponse {
 
 async fn list_workers(state: State) -> HttpResponse {
     let sizes = state.policy.tree_sizes();
+    let indexed = (state.exact.as_ref()).map_or_else(Vec::new, |e| e.index.workers());
     let workers: Vec<_> = state
         .workers
         .all()
@@ -101,6 +102,7 @@ async fn list_workers(state: State) -> HttpResponse {
                 "selected": w.selected.load(std::sync::atomic::Ordering::Relaxed),
                 "retries": w.retries.load(std::sync::atomic::Ordering::Relaxed),
                 "tree_chars": sizes.iter().find(|(id, _)| *id == w.id).map_or(0, |s| s.1),
+                "kv_index": indexed.iter().find(|i| i.worker == w.id),
             })
         })
         .collect();
@@ -151,7 +153,7 @@ async fn add_worker(
 ) -> Result<HttpResponse, ApiError> {
     let url = worker_url(&req, &body)?;
     let healthy = proxy::probe(&client, &url, state.health_check_timeout).await;
-    let worker = state.workers.add(&url, healthy);
+    let worker = state.add_worker(&url, healthy);
     tracing::info!(worker = %url, healthy, "worker added");
     Ok(HttpResponse::Ok().json(json!({"url": worker.url, "healthy": worker.is_healthy()})))
 }

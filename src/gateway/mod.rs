@@ -2,12 +2,17 @@
 //!
 //! It serves the same API as a server (OpenAI and `/generate`, streaming passed through) and
 //! sends each request to one worker chosen by a [`policy`]; the default is cache-aware, which
-//! follows an approximate radix [`tree`] of the text each worker has seen. Around the choice:
+//! follows an approximate radix [`tree`] of the text each worker has seen, or, in exact mode,
+//! an index of every worker's prefix cache kept from the KV-cache events the workers publish
+//! ([`kv_index`], [`kv_follow`]), looked up with each request tokenized once. Around the choice:
 //! periodic health checks, per-worker circuit breakers, retries with backoff on another
 //! worker, a bounded queue when every worker is saturated, runtime `POST`/`DELETE /workers`,
-//! Prometheus metrics, and API keys checked before anything is routed. Knows nothing of models or tensors; talks to workers only over HTTP.
+//! Prometheus metrics, and API keys checked before anything is routed. Knows nothing of
+//! tensors; talks to workers only over HTTP.
 
 mod handlers;
+pub mod kv_follow;
+pub mod kv_index;
 mod metrics;
 pub mod policy;
 pub mod proxy;
@@ -25,6 +30,7 @@ use actix_web::middleware::{from_fn, Next};
 use actix_web::{web, App, HttpServer};
 
 use crate::server::auth;
+use kv_follow::ExactRouting;
 use metrics::GatewayMetrics;
 use policy::{CacheAwareSettings, Policy, PolicyKind};
 pub use proxy::{QueueSettings, RetrySettings};
@@ -52,12 +58,16 @@ pub struct GatewaySettings {
     pub seed: u64,
     /// Keys accepted in `Authorization: Bearer` on every route but `/health` (none: open).
     pub api_keys: Vec<String>,
+    /// The key the gateway shows the workers' KV-cache event streams (exact mode).
+    pub worker_api_key: Option<String>,
 }
 
 /// What every handler shares.
 pub struct GatewayState {
     pub workers: WorkerSet,
     pub policy: Arc<dyn Policy>,
+    /// Exact mode: the workers' KV-cache events followed into the policy's index.
+    pub exact: Option<Arc<ExactRouting>>,
     metrics: GatewayMetrics,
     queue_settings: QueueSettings,
     retry_settings: RetrySettings,
@@ -69,9 +79,17 @@ pub struct GatewayState {
 
 impl GatewayState {
     pub fn new(settings: &GatewaySettings) -> anyhow::Result<Self> {
+        let policy = policy::build(settings.policy, settings.cache.clone(), settings.seed);
+        let exact = (policy.kv_index()).map(|index| {
+            Arc::new(ExactRouting::new(
+                index.clone(),
+                settings.worker_api_key.clone(),
+            ))
+        });
         Ok(Self {
             workers: WorkerSet::new(settings.health.clone()),
-            policy: policy::build(settings.policy, settings.cache.clone(), settings.seed),
+            policy,
+            exact,
             metrics: GatewayMetrics::new()?,
             queue_settings: settings.queue.clone(),
             retry_settings: settings.retry.clone(),
@@ -80,6 +98,19 @@ impl GatewayState {
             health_check_timeout: settings.health_check_timeout,
             api_keys: settings.api_keys.clone(),
         })
+    }
+
+    /// Adds a worker (see [`WorkerSet::add`]) and, in exact mode, starts following its
+    /// KV-cache events; must run inside the gateway's runtime.
+    pub fn add_worker(&self, url: &str, healthy: bool) -> Arc<workers::Worker> {
+        let known = self.workers.all().len();
+        let worker = self.workers.add(url, healthy);
+        if let Some(exact) = &self.exact {
+            if self.workers.all().len() > known {
+                actix_web::rt::spawn(kv_follow::follow(exact.clone(), worker.clone()));
+            }
+        }
+        worker
     }
 
     /// Forgets a worker: out of the list and out of the policy's state.
@@ -156,7 +187,7 @@ pub fn run(settings: GatewaySettings) -> anyhow::Result<()> {
             if !healthy {
                 tracing::warn!(worker = %url, "worker not healthy yet; it joins when its checks pass");
             }
-            state.workers.add(url, healthy);
+            state.add_worker(url, healthy);
         }
         actix_web::rt::spawn(check_health(state.clone(), settings.health_check_interval));
         actix_web::rt::spawn(maintain(state.clone(), settings.eviction_interval));

@@ -81,7 +81,8 @@ impl GatewayState {
                 if let Some((matched, total)) = selection.matched {
                     self.metrics.cache(matched, total);
                 }
-                return Ok(self.workers.start(&candidates[selection.index]));
+                let blocks = request.blocks.map_or(0, |b| b.len() + 1);
+                return Ok(self.workers.start(&candidates[selection.index], blocks));
             }
             if ticket.is_none() {
                 ticket = Some(self.enter_queue()?);
@@ -164,13 +165,12 @@ pub async fn forward(
     let json: serde_json::Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::invalid("body", format!("the body is not valid JSON: {e}")))?;
     let text = routing_text(endpoint, &json);
-    let reported = match state.policy.wants_reports() {
-        true => reports(state, client, req, endpoint, &body).await,
-        false => None,
-    };
+    let blocks = (state.exact.as_ref()).and_then(|exact| exact.blocks(endpoint, &body));
     let route = RouteRequest {
         text: &text,
-        reported: reported.as_deref(),
+        blocks: blocks.as_ref().map(|b| b.hashes.as_slice()),
+        prompt_tokens: blocks.as_ref().map_or(0, |b| b.prompt_tokens),
+        block_size: blocks.as_ref().map_or(0, |b| b.block_size),
     };
     let retry = &state.retry_settings;
     let mut tried: Vec<WorkerId> = Vec::new();
@@ -238,36 +238,6 @@ pub async fn forward(
         tokio::time::sleep(backoff.min(Duration::from_secs(2))).await;
         attempt += 1;
     }
-}
-
-/// How long a worker may take to say how much of a prompt it holds.
-const REPORT_TIMEOUT: Duration = Duration::from_millis(500);
-
-/// Asks every routable worker how many of this request's prompt tokens its prefix cache
-/// holds; `None` (fall back to guessing) unless every one answered.
-async fn reports(
-    state: &GatewayState,
-    client: &awc::Client,
-    req: &HttpRequest,
-    endpoint: Endpoint,
-    body: &Bytes,
-) -> Option<Vec<(WorkerId, usize, usize)>> {
-    let workers = state.workers.routable(&[]);
-    let asks = workers.iter().map(|w| async move {
-        let path = format!("/cache/match?api={}", endpoint.api());
-        let mut response = send(client, w, &path, req, body.clone(), REPORT_TIMEOUT)
-            .await
-            .ok()?;
-        if !response.status().is_success() {
-            return None;
-        }
-        let v: serde_json::Value = response.json().await.ok()?;
-        let count = |key: &str| v[key].as_u64().map(|n| n as usize);
-        Some((w.id, count("cached_tokens")?, count("prompt_tokens")?))
-    });
-    let answers: Vec<_> = futures_util::future::join_all(asks).await;
-    let answered: Vec<_> = answers.into_iter().flatten().collect();
-    (!answered.is_empty() && answered.len() == workers.len()).then_some(answered)
 }
 
 /// The worker's response, streamed through as it arrives, holding the load guard. An event
@@ -395,7 +365,7 @@ pub async fn forward_get(
     let Some(worker) = workers.iter().min_by_key(|w| w.load()) else {
         return Err(unavailable("no healthy worker is available; retry shortly"));
     };
-    let guard = state.workers.start(worker);
+    let guard = state.workers.start(worker, 0);
     let upstream = client
         .get(format!("{}{path}", worker.url))
         .timeout(state.retry_settings.request_timeout);

@@ -4,6 +4,8 @@
 
 use serde_json::Value;
 
+use crate::server::schema::RequestApi;
+
 /// Which API a body belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
@@ -13,12 +15,12 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    /// The name `/cache/match?api=` takes.
-    pub fn api(self) -> &'static str {
+    /// The server's name for the API, which parses its bodies.
+    pub fn api(self) -> RequestApi {
         match self {
-            Self::Chat => "chat",
-            Self::Completion => "completion",
-            Self::Generate => "generate",
+            Self::Chat => RequestApi::Chat,
+            Self::Completion => RequestApi::Completion,
+            Self::Generate => RequestApi::Generate,
         }
     }
 

@@ -58,6 +58,10 @@ pub struct Worker {
     check_failures: AtomicU32,
     check_successes: AtomicU32,
     breaker: Mutex<Breaker>,
+    /// Set when the worker leaves the gateway; its background tasks stop.
+    retired: AtomicBool,
+    /// KV blocks of the requests in flight (their prompts), as the gateway estimates them.
+    active_blocks: AtomicUsize,
     /// Requests sent to this worker, retries included.
     pub selected: AtomicU64,
     pub retries: AtomicU64,
@@ -69,6 +73,8 @@ impl Worker {
             id,
             url,
             in_flight: AtomicUsize::new(0),
+            retired: AtomicBool::new(false),
+            active_blocks: AtomicUsize::new(0),
             healthy: AtomicBool::new(healthy),
             check_failures: AtomicU32::new(0),
             check_successes: AtomicU32::new(0),
@@ -80,6 +86,21 @@ impl Worker {
 
     pub fn load(&self) -> usize {
         self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Whether the worker left the gateway.
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
+    /// KV blocks of the requests in flight here.
+    pub fn active_blocks(&self) -> usize {
+        self.active_blocks.load(Ordering::Acquire)
+    }
+
+    /// Requests sent here so far.
+    pub fn selected(&self) -> u64 {
+        self.selected.load(Ordering::Relaxed)
     }
 
     pub fn is_healthy(&self) -> bool {
@@ -162,6 +183,7 @@ impl Worker {
 /// Counts one request against a worker's load until dropped.
 pub struct InFlight {
     worker: Arc<Worker>,
+    blocks: usize,
     released: Arc<Notify>,
 }
 
@@ -174,6 +196,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.worker.in_flight.fetch_sub(1, Ordering::AcqRel);
+        (self.worker.active_blocks).fetch_sub(self.blocks, Ordering::AcqRel);
         self.released.notify_waiters();
     }
 }
@@ -215,7 +238,9 @@ impl WorkerSet {
         let url = url.trim_end_matches('/');
         let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
         let at = workers.iter().position(|w| w.url == url)?;
-        Some(workers.remove(at))
+        let worker = workers.remove(at);
+        worker.retired.store(true, Ordering::Release);
+        Some(worker)
     }
 
     pub fn all(&self) -> Vec<Arc<Worker>> {
@@ -234,12 +259,14 @@ impl WorkerSet {
             .collect()
     }
 
-    /// Counts a request against `worker`.
-    pub fn start(&self, worker: &Arc<Worker>) -> InFlight {
+    /// Counts a request of `blocks` KV blocks against `worker`.
+    pub fn start(&self, worker: &Arc<Worker>, blocks: usize) -> InFlight {
         worker.in_flight.fetch_add(1, Ordering::AcqRel);
+        worker.active_blocks.fetch_add(blocks, Ordering::AcqRel);
         worker.selected.fetch_add(1, Ordering::Relaxed);
         InFlight {
             worker: worker.clone(),
+            blocks,
             released: self.released.clone(),
         }
     }
@@ -299,8 +326,8 @@ mod tests {
         let set = WorkerSet::new(policy());
         let w = set.add("http://a/", true);
         assert_eq!(w.url, "http://a");
-        let g1 = set.start(&w);
-        let g2 = set.start(&w);
+        let g1 = set.start(&w, 1);
+        let g2 = set.start(&w, 1);
         assert_eq!(w.load(), 2);
         drop(g1);
         assert_eq!(w.load(), 1);

@@ -1,24 +1,50 @@
 //! The prefixes a model holds in its KV cache, published by the model's actor after the steps
-//! that change them, so that readers on other threads (the HTTP server answering a gateway's
-//! "how much of this prompt do you hold?") never wait for a forward pass. Readers see the set
-//! as of the last publication: exact up to one step.
+//! that change them, so that readers on other threads never wait for a forward pass: the HTTP
+//! server answering "how much of this prompt do you hold?", and the KV-cache event streams a
+//! gateway follows. Readers see the set as of the last publication: exact up to one step.
 //!
 //! A publication costs what changed since the last one, not the size of the set: the pool's
 //! journal of index changes is replayed onto the published set (copied first only if a reader
-//! holds it at that moment); only when the journal no longer reaches back that far is the set
-//! rebuilt from the whole index.
+//! holds it at that moment) and appended to a bounded log of published changes, numbered by
+//! the pool's generation, that event streams read from; only when the pool's journal no longer
+//! reaches back that far is the set rebuilt from the whole index, and the log restarts (a
+//! stream behind it resends the whole set).
 
-use std::collections::HashSet;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+
+use tokio::sync::watch;
 
 use super::block_pool::{chain_hash, BlockPool, Pool, PrefixChange, PrefixHash};
 
+/// Published changes kept for event streams that fall behind; one further behind resends the
+/// whole set.
+const LOG_CHANGES: usize = 1 << 16;
+
 #[derive(Default)]
+struct Published {
+    set: Arc<HashSet<PrefixHash>>,
+    /// Pool generation of the set (0 before the first publication).
+    generation: u64,
+    /// The latest published changes, oldest first: (generation it made, change). Changes
+    /// are consecutive generations up to `generation`.
+    log: VecDeque<(u64, PrefixChange)>,
+}
+
+/// The published prefixes of one model, and the changes that made them.
 pub struct PublishedPrefixes {
-    set: RwLock<Arc<HashSet<PrefixHash>>>,
-    /// Pool generation of the published set (0 before the first publication).
-    generation: AtomicU64,
+    state: RwLock<Published>,
+    /// The generation of every publication, for event streams to wait on.
+    published: watch::Sender<u64>,
+}
+
+impl Default for PublishedPrefixes {
+    fn default() -> Self {
+        Self {
+            state: RwLock::default(),
+            published: watch::Sender::new(0),
+        }
+    }
 }
 
 impl PublishedPrefixes {
@@ -29,25 +55,63 @@ impl PublishedPrefixes {
         pool.with(|pool| self.update(pool));
     }
 
+    fn read(&self) -> RwLockReadGuard<'_, Published> {
+        self.state.read().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn update(&self, pool: &Pool) {
-        let published = self.generation.load(Ordering::Acquire);
-        if published == pool.generation() {
+        if self.read().generation == pool.generation() {
             return;
         }
-        let mut set = self.set.write().unwrap_or_else(|e| e.into_inner());
-        match pool.changes_since(published) {
+        let mut state = self.state.write().unwrap_or_else(|e| e.into_inner());
+        let state = &mut *state;
+        match pool.changes_since(state.generation) {
             Some(changes) => {
-                let set = Arc::make_mut(&mut set);
-                for change in changes {
+                let set = Arc::make_mut(&mut state.set);
+                for (change, generation) in changes.zip(state.generation + 1..) {
                     match change {
                         PrefixChange::Added(hash) => set.insert(hash),
                         PrefixChange::Removed(hash) => set.remove(&hash),
                     };
+                    if state.log.len() == LOG_CHANGES {
+                        state.log.pop_front();
+                    }
+                    state.log.push_back((generation, change));
                 }
             }
-            None => *set = Arc::new(pool.indexed().collect()),
+            None => {
+                state.set = Arc::new(pool.indexed().collect());
+                state.log.clear();
+            }
         }
-        self.generation.store(pool.generation(), Ordering::Release);
+        state.generation = pool.generation();
+        self.published.send_replace(state.generation);
+    }
+
+    /// The whole set and the generation it is at, read together.
+    pub fn snapshot(&self) -> (u64, Vec<PrefixHash>) {
+        let state = self.read();
+        (state.generation, state.set.iter().copied().collect())
+    }
+
+    /// The published changes after generation `since` (each with the generation it made),
+    /// oldest first; `None` when they are no longer all kept (read [`Self::snapshot`]).
+    pub fn changes_since(&self, since: u64) -> Option<Vec<(u64, PrefixChange)>> {
+        let state = self.read();
+        if since == state.generation {
+            return Some(Vec::new());
+        }
+        let oldest = state.log.front()?.0;
+        if since + 1 < oldest || since > state.generation {
+            return None;
+        }
+        let skip = (since + 1 - oldest) as usize;
+        Some(state.log.iter().skip(skip).copied().collect())
+    }
+
+    /// Resolves at every publication that changes the set.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.published.subscribe()
     }
 
     /// Tokens of `prompt` a new request would find cached: whole leading blocks, leaving at
@@ -56,7 +120,7 @@ impl PublishedPrefixes {
         if prompt.is_empty() || block_size == 0 {
             return 0;
         }
-        let set = self.set.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let set = self.read().set.clone();
         let usable = (prompt.len() - 1) / block_size;
         let mut parent = None;
         let mut blocks = 0;
@@ -99,12 +163,34 @@ mod tests {
         assert_eq!(published.cached_tokens(&other, 4), 0);
     }
 
+    /// Brings a copy of the set, at a generation, up to the published one as an event stream
+    /// does: the changes since, or the whole set when they are gone.
+    fn follow(published: &PublishedPrefixes, copy: &mut (u64, HashSet<PrefixHash>)) {
+        match published.changes_since(copy.0) {
+            Some(changes) => {
+                for (generation, change) in changes {
+                    assert_eq!(generation, copy.0 + 1, "changes are consecutive");
+                    copy.0 = generation;
+                    match change {
+                        PrefixChange::Added(h) => assert!(copy.1.insert(h)),
+                        PrefixChange::Removed(h) => assert!(copy.1.remove(&h)),
+                    }
+                }
+            }
+            None => {
+                let (generation, set) = published.snapshot();
+                *copy = (generation, set.into_iter().collect());
+            }
+        }
+    }
+
     /// Published after every change, after several, or after more than the journal keeps:
     /// the set is always the pool's index.
     #[test]
     fn publications_follow_the_index_however_far_apart() {
         let mut pool = Pool::new(8);
         let published = PublishedPrefixes::default();
+        let mut follower = (0, HashSet::new());
         let mut held = Vec::new();
         for i in 0..200u32 {
             // Some blocks stay referenced for a while, so evictions skip them.
@@ -121,8 +207,13 @@ mod tests {
             // Publication gaps of 1 to 12 steps; the journal keeps 8 changes.
             if i % (1 + i % 12) == 0 {
                 published.update(&pool);
-                let set = published.set.read().unwrap().clone();
-                assert_eq!(*set, pool.indexed().collect::<HashSet<_>>(), "step {i}");
+                let set: HashSet<_> = published.snapshot().1.into_iter().collect();
+                assert_eq!(set, pool.indexed().collect::<HashSet<_>>(), "step {i}");
+                // A follower of the published changes, resyncing when they are gone.
+                if i % 5 != 0 {
+                    follow(&published, &mut follower);
+                    assert_eq!(follower.1, set, "follower at step {i}");
+                }
             }
         }
     }

@@ -10,8 +10,8 @@ use super::bodies::{
 use super::choices::Choices;
 use super::error::ApiError;
 use super::respond::{Api, Responder};
-use super::schema::{parse, ChatRequest, CompletionRequest, GenerateBody};
-use super::{read_body, AppState};
+use super::schema::{parse, ChatRequest, CompletionRequest, GenerateBody, RequestApi};
+use super::{kv_events, read_body, AppState};
 use crate::actors::model_actor::GetStats;
 use crate::actors::{GenerateRequest, Prompt};
 use crate::model::SamplingParams;
@@ -31,6 +31,11 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .route("/get_server_info", web::get().to(server_info))
         .route("/metrics", web::get().to(metrics))
         .route("/cache/match", web::post().to(cache_match))
+        .route("/cache/events", web::get().to(kv_events::cache_events))
+        .route(
+            "/cache/vocabulary",
+            web::get().to(kv_events::cache_vocabulary),
+        )
         .route("/openapi.json", web::get().to(openapi))
         .default_service(web::to(not_found));
 }
@@ -159,18 +164,7 @@ async fn generate(state: State, payload: web::Payload) -> Result<HttpResponse, A
 #[into_params(parameter_in = Query)]
 struct MatchQuery {
     /// The endpoint the body is for.
-    api: MatchApi,
-}
-
-#[derive(serde::Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub(super) enum MatchApi {
-    /// `/v1/chat/completions`
-    Chat,
-    /// `/v1/completions`
-    Completion,
-    /// `/generate`
-    Generate,
+    api: RequestApi,
 }
 
 /// How much of a request's prompt the first model holds in its prefix cache: the exact answer
@@ -193,11 +187,7 @@ async fn cache_match(
         ApiError::invalid("api", message)
     })?;
     let body = read_body(payload, state.settings.max_body_bytes).await?;
-    let request = match query.api {
-        MatchApi::Chat => ChatRequest::parse(&body)?.to_request()?,
-        MatchApi::Completion => CompletionRequest::parse(&body)?.to_request()?,
-        MatchApi::Generate => parse::<GenerateBody>(&body)?.to_request()?,
-    };
+    let request = query.api.parse_request(&body)?;
     let (prompt_tokens, cached_tokens) = state.runtime.cached_prefix(&request)?;
     Ok(HttpResponse::Ok().json(CacheMatch {
         prompt_tokens,

@@ -9,6 +9,7 @@ mod bodies;
 mod choices;
 pub mod error;
 mod handlers;
+pub mod kv_events;
 mod metrics;
 pub mod openapi;
 mod respond;
@@ -59,8 +60,18 @@ pub struct AppState {
     pub settings: ServeSettings,
     /// This server's OpenAPI document (`GET /openapi.json`).
     pub openapi: String,
+    /// This server process, new at every start (KV-cache event streams carry it).
+    pub instance: String,
     admitted: AtomicUsize,
     created: u64,
+}
+
+/// An id for this process: its start time and pid, unique across restarts.
+fn instance_id() -> String {
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{started:x}-{}", std::process::id())
 }
 
 /// A place among the admitted requests; given back on drop.
@@ -149,6 +160,7 @@ pub fn serve(
             metrics: Arc::new(Metrics::new(names)?),
             settings: settings.clone(),
             admitted: AtomicUsize::new(0),
+            instance: instance_id(),
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),

@@ -26,13 +26,15 @@ use super::handlers;
         handlers::server_info,
         handlers::metrics,
         handlers::cache_match,
+        super::kv_events::cache_events,
+        super::kv_events::cache_vocabulary,
         handlers::openapi,
     ),
     components(schemas(
         ErrorBody,
         Chunk<ChatChunkChoice>,
         Chunk<TextChunkChoice>,
-        handlers::MatchApi
+        super::schema::RequestApi
     )),
     modifiers(&Errors),
 )]

@@ -12,6 +12,29 @@ use crate::actors::{GenerateRequest, Prompt};
 use crate::model::{ChatMessage, SamplingParams};
 
 /// Parses a JSON body, naming the field whose value is wrong.
+/// Which generation API a body is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum RequestApi {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Completion,
+    /// `/generate`
+    Generate,
+}
+
+impl RequestApi {
+    /// The request a body for this API asks for, checked as the API's handler checks it.
+    pub fn parse_request(self, body: &[u8]) -> Result<GenerateRequest, ApiError> {
+        match self {
+            Self::Chat => ChatRequest::parse(body)?.to_request(),
+            Self::Completion => CompletionRequest::parse(body)?.to_request(),
+            Self::Generate => parse::<GenerateBody>(body)?.to_request(),
+        }
+    }
+}
+
 pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     read(&json(body)?, None)
 }

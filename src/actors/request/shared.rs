@@ -72,27 +72,15 @@ impl RuntimeShared {
             .params
             .validate()
             .map_err(|e| RequestError::invalid(e.to_string()))?;
-        let prompt = match &request.prompt {
-            Prompt::Text(text) => self.encode(text)?,
-            Prompt::Chat(messages) => {
-                let template = self.lead.chat_template.as_ref().ok_or_else(|| {
-                    RequestError::invalid("messages: the model has no chat template")
-                })?;
-                let text = template
-                    .render(messages, true)
-                    .map_err(|e| RequestError::invalid(format!("messages: {e}")))?;
-                self.encode(&text)?
+        if let Prompt::Tokens(ids) = &request.prompt {
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+                return Err(RequestError::invalid(format!(
+                    "input_ids: token {bad} is outside the vocabulary (size {})",
+                    self.vocab_size
+                )));
             }
-            Prompt::Tokens(ids) => {
-                if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
-                    return Err(RequestError::invalid(format!(
-                        "input_ids: token {bad} is outside the vocabulary (size {})",
-                        self.vocab_size
-                    )));
-                }
-                ids.clone()
-            }
-        };
+        }
+        let prompt = prompt_tokens(&self.lead, &request.prompt)?;
         if prompt.is_empty() {
             return Err(RequestError::invalid("prompt: the prompt is empty"));
         }
@@ -127,10 +115,14 @@ impl RuntimeShared {
         let cached = self.prefixes[first].cached_tokens(&prompt, self.block_size);
         Ok((prompt.len(), cached))
     }
+}
 
-    fn encode(&self, text: &str) -> Result<Vec<u32>, RequestError> {
-        let enc = self
-            .lead
+/// The tokens of a prompt as `vocab` gives them: text tokenized (special tokens written in
+/// it recognised), a conversation rendered with the chat template first, token ids as they
+/// are. The server and a gateway that routes on token blocks tokenize alike through this.
+pub fn prompt_tokens(vocab: &Vocabulary, prompt: &Prompt) -> Result<Vec<u32>, RequestError> {
+    let encode = |text: &str| {
+        let enc = vocab
             .tokenizer
             .encode(text, true)
             .map_err(|e| RequestError {
@@ -138,6 +130,20 @@ impl RuntimeShared {
                 message: format!("tokenizer: {e}"),
             })?;
         Ok(enc.get_ids().to_vec())
+    };
+    match prompt {
+        Prompt::Text(text) => encode(text),
+        Prompt::Chat(messages) => {
+            let template = vocab
+                .chat_template
+                .as_ref()
+                .ok_or_else(|| RequestError::invalid("messages: the model has no chat template"))?;
+            let text = template
+                .render(messages, true)
+                .map_err(|e| RequestError::invalid(format!("messages: {e}")))?;
+            encode(&text)
+        }
+        Prompt::Tokens(ids) => Ok(ids.clone()),
     }
 }
 

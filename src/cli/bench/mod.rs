@@ -168,7 +168,7 @@ impl BenchArgs {
         }
         if self.compare_policies {
             let dp = self.dp_size.to_string();
-            // `cache_aware+exact` is cache-aware routing on the servers' exact reports.
+            // `cache_aware+exact` is cache-aware routing on the servers' KV-cache events.
             let runs = self.policies.iter().map(|p| {
                 let (policy, exact) = match p.strip_suffix("+exact") {
                     Some(policy) => (policy, true),

@@ -9,9 +9,8 @@
 //! least-loaded worker wins regardless. `cache_routing_prob` mixes in plain load-based choice.
 //! The text is recorded for whichever worker is chosen, so later requests follow it.
 //!
-//! With `use_reports`, the gateway asks the workers how many prompt tokens their prefix caches
-//! hold for this very request (exact, from their own block index) and the ratio of those
-//! replaces the tree's guess; a request whose reports failed falls back to the tree.
+//! With `exact`, cache-aware routing is [`super::KvAware`] instead: exact, on the workers'
+//! own KV-cache events.
 
 use std::sync::Arc;
 
@@ -30,9 +29,11 @@ pub struct CacheAwareSettings {
     pub cache_routing_prob: f64,
     /// Characters of routing text kept per worker; eviction trims beyond it.
     pub max_tree_size: usize,
-    /// Ask workers how much of each prompt their prefix caches hold (`POST /cache/match`)
-    /// and score that instead of the text tree; the tree stays as the fallback.
-    pub use_reports: bool,
+    /// Route on the exact index kept from the workers' KV-cache events ([`super::KvAware`])
+    /// instead of the text tree.
+    pub exact: bool,
+    /// With `exact`: weight of a block of prefill still to compute against a block of load.
+    pub overlap_weight: f64,
 }
 
 impl Default for CacheAwareSettings {
@@ -43,7 +44,8 @@ impl Default for CacheAwareSettings {
             balance_rel_threshold: 1.5,
             cache_routing_prob: 1.0,
             max_tree_size: 1 << 22,
-            use_reports: false,
+            exact: false,
+            overlap_weight: 1.0,
         }
     }
 }
@@ -80,20 +82,12 @@ impl Policy for CacheAware {
         let text = request.text;
         let found = self.tree.prefix_match(text);
         let text_chars = found.text_chars;
-        // (matched, total) per worker: reported tokens when workers said, else tree characters.
-        let matched = |w: &Worker| match request.reported {
-            Some(reported) => reported
-                .iter()
-                .find(|r| r.0 == w.id)
-                .map_or((0, 1), |&(_, cached, prompt)| (cached, prompt.max(1))),
-            None => {
-                let chars = found
-                    .matched
-                    .iter()
-                    .find(|m| m.0 == w.id)
-                    .map_or(0, |m| m.1);
-                (chars, text_chars.max(1))
-            }
+        // (matched, total) characters of routing text per worker.
+        let matched = |w: &Worker| {
+            let chars = (found.matched.iter())
+                .find(|m| m.0 == w.id)
+                .map_or(0, |m| m.1);
+            (chars, text_chars.max(1))
         };
         let ratio = |w: &Worker| {
             let (m, t) = matched(w);
@@ -120,10 +114,6 @@ impl Policy for CacheAware {
             index,
             matched: Some(matched(&workers[index])),
         }
-    }
-
-    fn wants_reports(&self) -> bool {
-        self.settings.use_reports
     }
 
     fn remove_worker(&self, worker: WorkerId) {

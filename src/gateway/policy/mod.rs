@@ -5,26 +5,33 @@
 //! (the cache-aware tree) are told when a worker leaves and are maintained in the background.
 
 mod cache_aware;
+mod kv_aware;
 mod load;
 
 use std::str::FromStr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 pub use cache_aware::{CacheAware, CacheAwareSettings};
+pub use kv_aware::{KvAware, KvAwareSettings};
 pub use load::{PowerOfTwo, RandomChoice, RoundRobin, ShortestQueue};
 
+use super::kv_index::KvIndex;
 use super::tree::WorkerId;
 use super::workers::Worker;
+use crate::scheduler::PrefixHash;
 
 /// What a policy knows of a request.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RouteRequest<'a> {
     /// The raw routing text (the whole prompt or conversation).
     pub text: &'a str,
-    /// Exact prefix-cache matches reported by workers: (worker, cached tokens, prompt
-    /// tokens). When present, cache-aware routing scores these instead of its text tree.
-    pub reported: Option<&'a [(WorkerId, usize, usize)]>,
+    /// The chained hashes of the prompt's full blocks, when the gateway tokenized it (exact
+    /// mode); cache-aware routing then scores the workers' KV-cache events instead of its
+    /// text tree.
+    pub blocks: Option<&'a [PrefixHash]>,
+    /// Prompt tokens (exact mode), and the workers' block size.
+    pub prompt_tokens: usize,
+    pub block_size: usize,
 }
 
 /// The choice for one request.
@@ -50,9 +57,10 @@ pub trait Policy: Send + Sync {
     fn name(&self) -> &'static str;
     /// Picks one of `workers` (non-empty) for `request`.
     fn select(&self, workers: &[Arc<Worker>], request: &RouteRequest) -> Selection;
-    /// Whether the policy uses exact prefix matches reported by workers.
-    fn wants_reports(&self) -> bool {
-        false
+    /// The exact index of the workers' caches, when the policy routes on one (the gateway
+    /// then follows every worker's KV-cache events into it and tokenizes each request).
+    fn kv_index(&self) -> Option<&Arc<KvIndex>> {
+        None
     }
     /// A worker left the gateway.
     fn remove_worker(&self, _worker: WorkerId) {}
@@ -106,9 +114,16 @@ impl FromStr for PolicyKind {
     }
 }
 
-/// Builds a policy; `seed` makes the random choices reproducible.
+/// Builds a policy; `seed` makes the random choices reproducible. Cache-aware routing is
+/// exact ([`KvAware`], on an index the workers' events keep) when `cache.exact` is set.
 pub fn build(kind: PolicyKind, cache: CacheAwareSettings, seed: u64) -> Arc<dyn Policy> {
     match kind {
+        PolicyKind::CacheAware if cache.exact => Arc::new(KvAware::new(
+            Arc::new(KvIndex::new()),
+            KvAwareSettings {
+                overlap_weight: cache.overlap_weight,
+            },
+        )),
         PolicyKind::Random => Arc::new(RandomChoice::new(seed)),
         PolicyKind::RoundRobin => Arc::new(RoundRobin::default()),
         PolicyKind::ShortestQueue => Arc::new(ShortestQueue),
@@ -123,7 +138,7 @@ pub fn least_loaded(workers: &[Arc<Worker>]) -> usize {
     workers
         .iter()
         .enumerate()
-        .min_by_key(|(_, w)| (w.load(), w.selected.load(Ordering::Relaxed)))
+        .min_by_key(|(_, w)| (w.load(), w.selected()))
         .map_or(0, |(i, _)| i)
 }
 

@@ -13,13 +13,13 @@ fn workers(n: usize) -> (WorkerSet, Vec<Arc<Worker>>) {
 
 /// Puts `load` requests in flight on a worker; they end when the guards drop.
 fn load(set: &WorkerSet, w: &Arc<Worker>, load: usize) -> Vec<InFlight> {
-    (0..load).map(|_| set.start(w)).collect()
+    (0..load).map(|_| set.start(w, 1)).collect()
 }
 
 fn req(text: &str) -> RouteRequest<'_> {
     RouteRequest {
         text,
-        reported: None,
+        ..RouteRequest::default()
     }
 }
 
@@ -172,20 +172,29 @@ fn policy_names_parse_back() {
 }
 
 #[test]
-fn reported_matches_override_the_text_tree() {
-    let (_, ws) = workers(2);
-    let p = cache_aware(CacheAwareSettings::default());
-    let first = p.select(&ws, &req(SYSTEM_A)).index;
-    let other = 1 - first;
-    // The tree says `first`, but the workers report the prompt cached on the other one.
-    let reported = [(ws[first].id, 0, 100), (ws[other].id, 96, 100)];
-    let with_reports = RouteRequest {
-        text: SYSTEM_A,
-        reported: Some(&reported),
+fn kv_aware_weighs_prefill_left_against_load() {
+    use crate::gateway::kv_index::{block_hashes, KvIndex};
+    let (set, ws) = workers(3);
+    let index = Arc::new(KvIndex::new());
+    let p = KvAware::new(index.clone(), KvAwareSettings::default());
+    let tokens: Vec<u32> = (0..160).collect();
+    let blocks = block_hashes(&tokens, 16);
+    let route = RouteRequest {
+        text: "",
+        blocks: Some(&blocks),
+        prompt_tokens: 160,
+        block_size: 16,
     };
-    let s = p.select(&ws, &with_reports);
-    assert_eq!(s.index, other);
-    assert_eq!(s.matched, Some((96, 100)));
-    // Without reports it falls back to the tree, which now knows both.
-    assert!(p.select(&ws, &req(SYSTEM_A)).matched.unwrap().0 > 0);
+    // Nothing cached anywhere: the least-loaded worker.
+    let _busy = set.start(&ws[0], 4);
+    assert_eq!(p.select(&ws, &route).index, 1);
+    // Worker 2 holds 8 of the 10 blocks: 2 to prefill plus 0 load beats 10 plus 0.
+    index.snapshot(ws[2].id, "w2", 0, &blocks[..8]);
+    let s = p.select(&ws, &route);
+    assert_eq!((s.index, s.matched), (2, Some((128, 160))));
+    // Load on worker 2 beyond the 8 blocks it saves sends the request elsewhere.
+    let _heavy = set.start(&ws[2], 9);
+    assert_eq!(p.select(&ws, &route).index, 1);
+    // Untokenized requests go by load.
+    assert_eq!(p.select(&ws, &req("x")).index, 1);
 }

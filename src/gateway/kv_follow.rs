@@ -1,0 +1,204 @@
+//! Exact routing's gateway side: one task per worker follows the worker's KV-cache events
+//! (`GET /cache/events`) into the shared [`KvIndex`], and each request is tokenized once,
+//! with the vocabulary the workers serve (`GET /cache/vocabulary`), into the chained block
+//! hashes the index is looked up with.
+//!
+//! A stream that breaks marks its worker unsynced (nothing cached is assumed there) and is
+//! reopened with backoff; a gap in its sequence numbers reopens it at once, and the new
+//! stream's snapshot resyncs the index. A worker that restarted shows a new instance in that
+//! snapshot, which replaces everything held for it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use actix_web::web::Bytes;
+use futures_util::StreamExt;
+
+use super::kv_index::{block_hashes, Applied, KvEvent, KvIndex};
+use super::request_text::Endpoint;
+use super::workers::Worker;
+use crate::actors::prompt_tokens;
+use crate::actors::remote::vocabulary::WireVocabulary;
+use crate::model::Vocabulary;
+use crate::scheduler::PrefixHash;
+use crate::server::kv_events::KvStreamEvent;
+
+/// What exact routing shares: the index, the vocabulary and the workers' block size.
+pub struct ExactRouting {
+    pub index: Arc<KvIndex>,
+    vocabulary: OnceLock<Arc<Vocabulary>>,
+    /// Tokens per block, from the first snapshot (0 until then).
+    block_size: AtomicUsize,
+    /// Sent as `Authorization: Bearer` to the workers' event streams.
+    worker_api_key: Option<String>,
+}
+
+/// A request's place in the index: its prompt tokens and chained block hashes.
+pub struct RequestBlocks {
+    pub prompt_tokens: usize,
+    pub block_size: usize,
+    pub hashes: Vec<PrefixHash>,
+}
+
+impl ExactRouting {
+    pub fn new(index: Arc<KvIndex>, worker_api_key: Option<String>) -> Self {
+        Self {
+            index,
+            vocabulary: OnceLock::new(),
+            block_size: AtomicUsize::new(0),
+            worker_api_key,
+        }
+    }
+
+    /// The request's blocks, once the vocabulary and block size are known and the body reads
+    /// as the endpoint's request; `None` otherwise (the request is then routed by load, and
+    /// the worker answers a bad body with its own error).
+    pub fn blocks(&self, endpoint: Endpoint, body: &[u8]) -> Option<RequestBlocks> {
+        let vocabulary = self.vocabulary.get()?;
+        let block_size = self.block_size.load(Ordering::Acquire);
+        if block_size == 0 {
+            return None;
+        }
+        let request = endpoint.api().parse_request(body).ok()?;
+        let tokens = prompt_tokens(vocabulary, &request.prompt).ok()?;
+        Some(RequestBlocks {
+            prompt_tokens: tokens.len(),
+            block_size,
+            hashes: block_hashes(&tokens, block_size),
+        })
+    }
+
+    fn get(&self, client: &awc::Client, url: String) -> awc::ClientRequest {
+        let request = client.get(url);
+        match &self.worker_api_key {
+            Some(key) => request.bearer_auth(key),
+            None => request,
+        }
+    }
+
+    /// Fetches the vocabulary from `worker` unless one is already held.
+    async fn fetch_vocabulary(&self, client: &awc::Client, worker: &Worker) -> Result<(), String> {
+        if self.vocabulary.get().is_some() {
+            return Ok(());
+        }
+        let mut response = (self.get(client, format!("{}/cache/vocabulary", worker.url)))
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        if !response.status().is_success() {
+            return Err(format!("/cache/vocabulary answered {}", response.status()));
+        }
+        let wire: WireVocabulary = response
+            .json()
+            .limit(256 << 20)
+            .await
+            .map_err(|e| format!("/cache/vocabulary: {e}"))?;
+        let vocabulary = wire.into_vocabulary()?;
+        let _ = self.vocabulary.set(Arc::new(vocabulary));
+        Ok(())
+    }
+
+    /// Applies one event of `worker`'s stream; `Err` when the stream must be reopened.
+    fn apply(&self, worker: &Worker, event: KvStreamEvent) -> Result<(), String> {
+        let (seq, hashes, stored) = match event {
+            KvStreamEvent::Snapshot {
+                instance,
+                block_size,
+                seq,
+                hashes,
+                ..
+            } => {
+                let known = self.block_size.load(Ordering::Acquire);
+                if known != 0 && known != block_size {
+                    return Err(format!(
+                        "block size {block_size}, but other workers use {known}: not indexed"
+                    ));
+                }
+                self.block_size.store(block_size, Ordering::Release);
+                self.index.snapshot(worker.id, &instance, seq, &hashes);
+                return Ok(());
+            }
+            KvStreamEvent::Stored { seq, hashes } => (seq, hashes, true),
+            KvStreamEvent::Removed { seq, hashes } => (seq, hashes, false),
+        };
+        let event = match stored {
+            true => KvEvent::Stored { seq, hashes },
+            false => KvEvent::Removed { seq, hashes },
+        };
+        match self.index.apply(worker.id, &event) {
+            Applied::Ok => Ok(()),
+            Applied::Gap { expected, got } => {
+                Err(format!("event {got} where {expected} was due: resyncing"))
+            }
+        }
+    }
+
+    /// Follows one stream until it ends or breaks.
+    async fn stream_once(&self, client: &awc::Client, worker: &Worker) -> Result<(), String> {
+        self.fetch_vocabulary(client, worker).await?;
+        let mut response = (self.get(client, format!("{}/cache/events", worker.url)))
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        if !response.status().is_success() {
+            return Err(format!("/cache/events answered {}", response.status()));
+        }
+        let mut pending: Vec<u8> = Vec::new();
+        loop {
+            // A live stream sends at least a keep-alive every 10 s.
+            let next = tokio::time::timeout(Duration::from_secs(30), response.next()).await;
+            let chunk: Bytes = match next {
+                Err(_) => return Err("the stream went quiet".into()),
+                Ok(None) => return Err("the stream ended".into()),
+                Ok(Some(chunk)) => chunk.map_err(|e| e.to_string())?,
+            };
+            pending.extend_from_slice(&chunk);
+            while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
+                let block: Vec<u8> = pending.drain(..end + 2).collect();
+                if worker.is_retired() {
+                    return Ok(());
+                }
+                let text = String::from_utf8_lossy(&block);
+                for data in text.lines().filter_map(|l| l.strip_prefix("data:")) {
+                    let event: KvStreamEvent = serde_json::from_str(data.trim())
+                        .map_err(|e| format!("an event is not JSON ({e})"))?;
+                    self.apply(worker, event)?;
+                }
+            }
+        }
+    }
+}
+
+/// Follows `worker`'s events until it leaves the gateway.
+pub async fn follow(exact: Arc<ExactRouting>, worker: Arc<Worker>) {
+    // The stream stays open for as long as the worker lives: no overall deadline (a quiet
+    // one is caught by `stream_once`).
+    let client = awc::Client::builder()
+        .connector(awc::Connector::new().timeout(Duration::from_secs(5)))
+        .timeout(Duration::from_secs(365 * 24 * 3600))
+        .finish();
+    let mut backoff = Duration::from_millis(100);
+    while !worker.is_retired() {
+        let opened = std::time::Instant::now();
+        let outcome: Result<(), String> = exact.stream_once(&client, &worker).await;
+        if opened.elapsed() > Duration::from_secs(5) {
+            backoff = Duration::from_millis(100);
+        }
+        exact.index.unsync(worker.id);
+        if worker.is_retired() {
+            break;
+        }
+        match outcome {
+            Err(why) if why.ends_with("resyncing") => {
+                tracing::info!(worker = %worker.url, "{why}");
+                continue;
+            }
+            Err(why) => tracing::debug!(worker = %worker.url, "KV events: {why}"),
+            Ok(()) => {}
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+    exact.index.remove_worker(worker.id);
+}
