@@ -109,7 +109,7 @@ pub struct GatewayRouting {
     #[arg(
         long,
         env = "TOKENROUTER_GATEWAY_OVERLAP_WEIGHT",
-        default_value_t = 1.0
+        default_value_t = 4.0
     )]
     pub overlap_weight: f64,
     /// Seconds between prefix-tree evictions.

@@ -130,7 +130,7 @@ enum Command {
     #[cfg(feature = "profiling")]
     BenchModel(bench_model::BenchArgs),
     /// Benchmark a running server (or every scheduling mode with --compare-modes).
-    Bench(bench::BenchArgs),
+    Bench(Box<bench::BenchArgs>),
     /// Delayed-batching thresholds from the throughput model, on profiled step latencies.
     Tune(tune::TuneArgs),
     /// Cache-aware gateway in front of running servers (data parallelism).
@@ -166,7 +166,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         #[cfg(feature = "train")]
         Command::TrainRouter(args) => train_router::run(args, kernels.backend()),
         Command::Tune(args) => tune::run(args, kernels.backend()),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => bench::run(*args),
         Command::Generate(args) => generate::run(args, kernels.backend()),
         #[cfg(feature = "profiling")]
         Command::BenchModel(args) => bench_model::run(args, kernels.backend()),

@@ -6,6 +6,10 @@
 //! over dense worker slots, so that one request's overlap with every worker costs one map
 //! lookup and a few word operations per block, whatever the fleet size.
 //!
+//! Besides what the workers hold, the index counts what they are about to hold: the blocks of
+//! requests routed to a worker and not finished yet ([`Pending`]), so that requests sharing a
+//! prefix that arrive before the first of them is computed follow it rather than scatter.
+//!
 //! Guarantees: after [`KvIndex::snapshot`] and the events that follow it without a gap, a
 //! worker's entry equals the worker's own index. An event whose sequence number does not
 //! follow the last one is refused ([`Applied::Gap`]) and changes nothing: the caller resyncs
@@ -15,7 +19,7 @@
 //! Must not know: HTTP, tokenizers, or how overlap is weighed against load.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::tree::WorkerId;
 use crate::scheduler::{chain_hash, PrefixHash};
@@ -77,6 +81,11 @@ struct Held {
 #[derive(Debug, Default)]
 struct Inner {
     holders: HashMap<PrefixHash, Holders>,
+    /// Blocks of requests in flight: per (slot, prefix) how many, and per prefix the slots.
+    pending: HashMap<(usize, PrefixHash), u32>,
+    pending_holders: HashMap<PrefixHash, Holders>,
+    /// Per slot: distinct blocks of its requests in flight.
+    pending_blocks: Vec<usize>,
     workers: HashMap<WorkerId, Held>,
     /// Worker per slot (`None`: free).
     slots: Vec<Option<WorkerId>>,
@@ -120,6 +129,12 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// Word `i` of the workers holding `hash` or about to.
+    fn word(&self, hash: &PrefixHash, i: usize) -> u64 {
+        self.holders.get(hash).map_or(0, |h| h.word(i))
+            | self.pending_holders.get(hash).map_or(0, |h| h.word(i))
     }
 
     fn clear(&mut self, worker: WorkerId) {
@@ -186,6 +201,21 @@ pub fn digest<'a>(hashes: impl IntoIterator<Item = &'a PrefixHash>) -> u64 {
         x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         acc.wrapping_add(x ^ (x >> 31))
     })
+}
+
+/// Blocks of one routed request counted as about to be held, until dropped (when the
+/// request ends).
+#[derive(Debug)]
+pub struct Pending {
+    index: Arc<KvIndex>,
+    slot: usize,
+    hashes: Vec<PrefixHash>,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.index.remove_pending(self.slot, &self.hashes);
+    }
 }
 
 /// The exact per-worker index of cached prefixes (see the module docs).
@@ -260,46 +290,110 @@ impl KvIndex {
         inner.clear(worker);
         if let Some(held) = inner.workers.remove(&worker) {
             inner.slots[held.slot] = None;
+            let slot = held.slot;
+            let gone: Vec<(usize, PrefixHash)> = (inner.pending.keys())
+                .filter(|k| k.0 == slot)
+                .copied()
+                .collect();
+            if let Some(n) = inner.pending_blocks.get_mut(slot) {
+                *n = 0;
+            }
+            for key in gone {
+                inner.pending.remove(&key);
+                if let Some(holders) = inner.pending_holders.get_mut(&key.1) {
+                    if holders.clear(slot) {
+                        inner.pending_holders.remove(&key.1);
+                    }
+                }
+            }
         }
     }
 
     /// For each of `workers`, how many leading blocks of `hashes` (a request's chained block
-    /// hashes) it holds, written into `out` in the same order.
+    /// hashes) it holds or is about to, written into `out` in the same order.
     pub fn overlaps(&self, hashes: &[PrefixHash], workers: &[WorkerId], out: &mut Vec<usize>) {
         out.clear();
         out.resize(workers.len(), 0);
         let inner = self.read();
-        let Some(first) = hashes.first().and_then(|h| inner.holders.get(h)) else {
+        let Some(first) = hashes.first() else {
             return;
         };
         // Workers still matching, as a bitset over slots; a worker's overlap is the block at
         // which its bit drops out.
         let words = inner.slots.len().div_ceil(64);
-        let mut alive: Vec<u64> = (0..words).map(|i| first.word(i)).collect();
+        let mut alive: Vec<u64> = (0..words).map(|i| inner.word(first, i)).collect();
+        let in_first = alive.clone();
         let mut matched = vec![hashes.len(); inner.slots.len()];
         for (i, hash) in hashes.iter().enumerate().skip(1) {
-            let holders = inner.holders.get(hash);
-            let mut any = false;
+            if alive.iter().all(|&w| w == 0) {
+                break;
+            }
             for (w, word) in alive.iter_mut().enumerate() {
-                let next = *word & holders.map_or(0, |h| h.word(w));
+                let next = *word & inner.word(hash, w);
                 let mut dropped = *word & !next;
                 while dropped != 0 {
                     matched[w * 64 + dropped.trailing_zeros() as usize] = i;
                     dropped &= dropped - 1;
                 }
                 *word = next;
-                any |= next != 0;
-            }
-            if !any {
-                break;
             }
         }
         for (o, worker) in out.iter_mut().zip(workers) {
             if let Some(held) = inner.workers.get(worker) {
-                let in_first = (first.word(held.slot / 64) >> (held.slot % 64)) & 1 == 1;
-                *o = if in_first { matched[held.slot] } else { 0 };
+                let bit = (in_first[held.slot / 64] >> (held.slot % 64)) & 1;
+                *o = if bit == 1 { matched[held.slot] } else { 0 };
             }
         }
+    }
+
+    /// Counts `hashes` as about to be held by `worker` until the returned guard drops.
+    pub fn add_pending(self: &Arc<Self>, worker: WorkerId, hashes: &[PrefixHash]) -> Pending {
+        let mut inner = self.write();
+        let slot = inner.held(worker).slot;
+        for &h in hashes {
+            let count = inner.pending.entry((slot, h)).or_insert(0);
+            *count += 1;
+            if *count == 1 {
+                inner.pending_holders.entry(h).or_default().set(slot);
+                if inner.pending_blocks.len() <= slot {
+                    inner.pending_blocks.resize(slot + 1, 0);
+                }
+                inner.pending_blocks[slot] += 1;
+            }
+        }
+        Pending {
+            index: self.clone(),
+            slot,
+            hashes: hashes.to_vec(),
+        }
+    }
+
+    fn remove_pending(&self, slot: usize, hashes: &[PrefixHash]) {
+        let mut inner = self.write();
+        for &h in hashes {
+            let Some(count) = inner.pending.get_mut(&(slot, h)) else {
+                continue;
+            };
+            *count -= 1;
+            if *count == 0 {
+                inner.pending.remove(&(slot, h));
+                inner.pending_blocks[slot] -= 1;
+                if let Some(holders) = inner.pending_holders.get_mut(&h) {
+                    if holders.clear(slot) {
+                        inner.pending_holders.remove(&h);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Distinct prompt blocks of the requests in flight on `worker` (requests sharing a
+    /// prefix share its blocks there).
+    pub fn pending_blocks(&self, worker: WorkerId) -> usize {
+        let inner = self.read();
+        (inner.workers.get(&worker))
+            .and_then(|held| inner.pending_blocks.get(held.slot).copied())
+            .unwrap_or(0)
     }
 
     /// Every worker's state, by worker id.
@@ -357,6 +451,31 @@ mod tests {
         index.apply(0, &stored(1, &req[3..]));
         index.overlaps(&req, &[0, 1], &mut out);
         assert_eq!(out, [4, 1]);
+    }
+
+    #[test]
+    fn routed_requests_count_until_they_end() {
+        let index = Arc::new(KvIndex::new());
+        let req = block_hashes(&(0..48).collect::<Vec<u32>>(), 16);
+        index.snapshot(0, "a", 0, &req[..1]);
+        index.snapshot(1, "b", 0, &[]);
+        let mut out = Vec::new();
+        let first = index.add_pending(1, &req[..2]);
+        let second = index.add_pending(1, &req[..2]);
+        index.overlaps(&req, &[0, 1], &mut out);
+        assert_eq!(out, [1, 2]);
+        assert_eq!(index.pending_blocks(1), 2, "shared blocks count once");
+        drop(first);
+        index.overlaps(&req, &[0, 1], &mut out);
+        assert_eq!(out, [1, 2], "the second request still counts");
+        drop(second);
+        index.overlaps(&req, &[0, 1], &mut out);
+        assert_eq!(out, [1, 0]);
+        assert_eq!(index.pending_blocks(1), 0);
+        let _third = index.add_pending(1, &req);
+        index.remove_worker(1);
+        index.overlaps(&req, &[1], &mut out);
+        assert_eq!(out, [0], "a removed worker's requests are forgotten");
     }
 
     #[test]

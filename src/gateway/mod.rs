@@ -17,6 +17,7 @@ mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod request_text;
+pub mod sim;
 pub mod tree;
 pub mod workers;
 

@@ -81,8 +81,11 @@ impl GatewayState {
                 if let Some((matched, total)) = selection.matched {
                     self.metrics.cache(matched, total);
                 }
-                let blocks = request.blocks.map_or(0, |b| b.len() + 1);
-                return Ok(self.workers.start(&candidates[selection.index], blocks));
+                // Each request's own blocks beyond its prompt's full ones (which exact routing
+                // counts, shared, in its index): about one.
+                let blocks = usize::from(request.blocks.is_some());
+                let guard = self.workers.start(&candidates[selection.index], blocks);
+                return Ok(guard.holding(selection.pending));
             }
             if ticket.is_none() {
                 ticket = Some(self.enter_queue()?);

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use super::kv_index::Pending;
 use super::tree::WorkerId;
 
 /// Thresholds for taking workers out and putting them back.
@@ -184,12 +185,20 @@ impl Worker {
 pub struct InFlight {
     worker: Arc<Worker>,
     blocks: usize,
+    /// What the policy counts as coming to this worker while the request runs.
+    _pending: Option<Pending>,
     released: Arc<Notify>,
 }
 
 impl InFlight {
     pub fn worker(&self) -> &Arc<Worker> {
         &self.worker
+    }
+
+    /// Keeps `pending` until the request ends.
+    pub fn holding(mut self, pending: Option<Pending>) -> Self {
+        self._pending = pending;
+        self
     }
 }
 
@@ -267,6 +276,7 @@ impl WorkerSet {
         InFlight {
             worker: worker.clone(),
             blocks,
+            _pending: None,
             released: self.released.clone(),
         }
     }

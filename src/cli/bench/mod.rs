@@ -4,8 +4,10 @@
 //! `--compare-modes` starts `tokenrouter serve` in each scheduling mode in turn;
 //! `--compare-policies` starts `serve --dp-size N` (a gateway over N servers) with each
 //! gateway policy in turn. Each level also reports the servers' own prefix-cache hit rate.
+//! `--simulate-fleet N` compares the gateway's policies on simulated fleets instead.
 
 mod client;
+mod fleet;
 mod report;
 pub(super) use report::chart;
 mod workload;
@@ -94,9 +96,14 @@ pub struct BenchArgs {
     port: u16,
     #[arg(long, env = "TOKENROUTER_API_KEY")]
     api_key: Option<String>,
+    #[command(flatten)]
+    fleet: fleet::FleetArgs,
 }
 
 pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
+    if !args.fleet.simulate_fleet.is_empty() {
+        return fleet::run(&args.fleet, args.output.as_ref(), args.plot_dir.as_ref());
+    }
     if args.concurrency.is_empty() || args.concurrency.contains(&0) {
         anyhow::bail!("--concurrency needs positive levels, e.g. --concurrency 1,4,16");
     }

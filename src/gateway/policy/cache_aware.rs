@@ -45,7 +45,7 @@ impl Default for CacheAwareSettings {
             cache_routing_prob: 1.0,
             max_tree_size: 1 << 22,
             exact: false,
-            overlap_weight: 1.0,
+            overlap_weight: 4.0,
         }
     }
 }
@@ -113,6 +113,7 @@ impl Policy for CacheAware {
         Selection {
             index,
             matched: Some(matched(&workers[index])),
+            pending: None,
         }
     }
 

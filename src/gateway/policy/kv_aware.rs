@@ -2,9 +2,14 @@
 //! cost is the prefill it would still have to compute for this request (blocks not in its
 //! prefix cache, as the workers' own KV-cache events say) weighed against the decode load it
 //! already carries (blocks of the requests in flight there). This is the cost NVIDIA Dynamo's
-//! KV router uses: `overlap_weight × prefill blocks + active blocks`.
+//! KV router uses: `overlap_weight × prefill blocks + active blocks`, where the active blocks
+//! are the distinct prompt blocks of the requests in flight there plus each one's own (its
+//! tail and output, which the gateway counts on the worker's load).
 //!
-//! A request the gateway could not tokenize (no blocks) goes to the least-loaded worker.
+//! A request counts as held by the worker it was sent to until it ends (see
+//! [`crate::gateway::kv_index::Pending`]): requests sharing a prefix that arrive before the
+//! first of them is computed follow it. A request the gateway could not tokenize (no blocks)
+//! goes to the least-loaded worker.
 
 use std::sync::Arc;
 
@@ -20,9 +25,12 @@ pub struct KvAwareSettings {
 }
 
 impl Default for KvAwareSettings {
+    /// A block still to prefill weighs four blocks in flight: on a compute-bound engine a
+    /// prefill block costs more than holding one, and Dynamo's 1.0 lets load scatter groups
+    /// whose prefix is not yet computed (docs/fleet.md).
     fn default() -> Self {
         Self {
-            overlap_weight: 1.0,
+            overlap_weight: 4.0,
         }
     }
 }
@@ -50,9 +58,14 @@ impl Policy for KvAware {
         let ids: Vec<WorkerId> = workers.iter().map(|w| w.id).collect();
         let mut cached = Vec::with_capacity(ids.len());
         self.index.overlaps(blocks, &ids, &mut cached);
+        // Decode load in blocks: the distinct prompt blocks in flight there (shared prefixes
+        // once) and each request's own blocks beyond them.
+        let active: Vec<f64> = (workers.iter())
+            .map(|w| (self.index.pending_blocks(w.id) + w.active_blocks()) as f64)
+            .collect();
         let cost = |i: usize| {
             let prefill = (blocks.len() - cached[i]) as f64;
-            self.settings.overlap_weight * prefill + workers[i].active_blocks() as f64
+            self.settings.overlap_weight * prefill + active[i]
         };
         let index = (0..workers.len())
             .min_by(|&a, &b| {
@@ -69,6 +82,7 @@ impl Policy for KvAware {
                 cached[index] * block_size,
                 request.prompt_tokens.max(blocks.len() * block_size),
             )),
+            pending: Some(self.index.add_pending(workers[index].id, blocks)),
         }
     }
 

@@ -15,7 +15,7 @@ pub use cache_aware::{CacheAware, CacheAwareSettings};
 pub use kv_aware::{KvAware, KvAwareSettings};
 pub use load::{PowerOfTwo, RandomChoice, RoundRobin, ShortestQueue};
 
-use super::kv_index::KvIndex;
+use super::kv_index::{KvIndex, Pending};
 use super::tree::WorkerId;
 use super::workers::Worker;
 use crate::scheduler::PrefixHash;
@@ -35,13 +35,16 @@ pub struct RouteRequest<'a> {
 }
 
 /// The choice for one request.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug)]
 pub struct Selection {
     /// Index into the workers the policy was given.
     pub index: usize,
     /// (matched, total) of the request the chosen worker is believed to hold, when the policy
     /// tracks caches: characters of routing text, or tokens when workers reported exactly.
     pub matched: Option<(usize, usize)>,
+    /// The request's blocks counted as about to be held by the chosen worker (exact routing),
+    /// until the request ends: the caller keeps this as long as the request runs.
+    pub pending: Option<Pending>,
 }
 
 impl Selection {
@@ -49,6 +52,7 @@ impl Selection {
         Self {
             index,
             matched: None,
+            pending: None,
         }
     }
 }

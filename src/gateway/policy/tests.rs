@@ -192,6 +192,7 @@ fn kv_aware_weighs_prefill_left_against_load() {
     index.snapshot(ws[2].id, "w2", 0, &blocks[..8]);
     let s = p.select(&ws, &route);
     assert_eq!((s.index, s.matched), (2, Some((128, 160))));
+    drop(s);
     // Load on worker 2 beyond the 8 blocks it saves sends the request elsewhere.
     let _heavy = set.start(&ws[2], 9);
     assert_eq!(p.select(&ws, &route).index, 1);
