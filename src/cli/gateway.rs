@@ -112,6 +112,14 @@ pub struct GatewayRouting {
         default_value_t = 4.0
     )]
     pub overlap_weight: f64,
+    /// With --exact-prefix-match: the weight of a cached block a request would evict on a
+    /// server whose cache is full (its new blocks beyond the server's free room).
+    #[arg(
+        long,
+        env = "TOKENROUTER_GATEWAY_EVICTION_WEIGHT",
+        default_value_t = 1.0
+    )]
+    pub eviction_weight: f64,
     /// Seconds between prefix-tree evictions.
     #[arg(
         long,
@@ -222,8 +230,13 @@ impl GatewayRouting {
         {
             anyhow::bail!("--cache-threshold and --cache-routing-prob must lie in [0, 1]");
         }
-        if !self.overlap_weight.is_finite() || self.overlap_weight < 0.0 {
-            anyhow::bail!("--overlap-weight must be a number >= 0");
+        for (flag, w) in [
+            ("overlap-weight", self.overlap_weight),
+            ("eviction-weight", self.eviction_weight),
+        ] {
+            if !w.is_finite() || w < 0.0 {
+                anyhow::bail!("--{flag} must be a number >= 0, not {w}");
+            }
         }
         if self.balance_rel_threshold < 1.0
             || self.health_failure_threshold == 0
@@ -247,6 +260,7 @@ impl GatewayRouting {
                 max_tree_size: self.max_tree_size,
                 exact: self.exact_prefix_match,
                 overlap_weight: self.overlap_weight,
+                eviction_weight: self.eviction_weight,
             },
             eviction_interval: seconds("eviction-interval", self.eviction_interval)?,
             health: HealthPolicy {

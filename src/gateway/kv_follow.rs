@@ -105,6 +105,7 @@ impl ExactRouting {
             KvStreamEvent::Snapshot {
                 instance,
                 block_size,
+                capacity,
                 seq,
                 hashes,
                 ..
@@ -117,6 +118,7 @@ impl ExactRouting {
                 }
                 self.block_size.store(block_size, Ordering::Release);
                 self.index.snapshot(worker.id, &instance, seq, &hashes);
+                self.index.set_capacity(worker.id, capacity);
                 return Ok(());
             }
             KvStreamEvent::Stored { seq, hashes } => (seq, hashes, true),

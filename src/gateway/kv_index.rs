@@ -76,6 +76,8 @@ struct Held {
     instance: String,
     /// Whether a snapshot was applied since the worker joined.
     synced: bool,
+    /// Blocks the worker's cache holds at most (0: not known).
+    capacity: usize,
 }
 
 #[derive(Debug, Default)]
@@ -385,6 +387,21 @@ impl KvIndex {
                 }
             }
         }
+    }
+
+    /// Records how many blocks `worker`'s cache holds at most (0: not known).
+    pub fn set_capacity(&self, worker: WorkerId, capacity: usize) {
+        self.write().held(worker).capacity = capacity;
+    }
+
+    /// Blocks `worker`'s cache could still take without evicting a cached prefix: its
+    /// capacity less what it holds and what its requests in flight are about to; `None`
+    /// when the capacity is not known.
+    pub fn free_blocks(&self, worker: WorkerId) -> Option<usize> {
+        let inner = self.read();
+        let held = inner.workers.get(&worker).filter(|h| h.capacity > 0)?;
+        let pending = inner.pending_blocks.get(held.slot).copied().unwrap_or(0);
+        Some(held.capacity.saturating_sub(held.hashes.len() + pending))
     }
 
     /// Distinct prompt blocks of the requests in flight on `worker` (requests sharing a

@@ -31,6 +31,9 @@ pub enum KvStreamEvent {
         model: String,
         /// Tokens per block: the hashes chain this many tokens each.
         block_size: usize,
+        /// Blocks the cache holds at most (0: not known, a remote model's).
+        #[serde(default)]
+        capacity: usize,
         seq: u64,
         hashes: Vec<PrefixHash>,
     },
@@ -98,18 +101,24 @@ pub(super) struct EventsQuery {
 struct Follower {
     prefixes: Arc<PublishedPrefixes>,
     published: tokio::sync::watch::Receiver<u64>,
+    /// The server's shutdown: the stream ends.
+    stopping: tokio::sync::watch::Receiver<bool>,
     /// The change number sent last; `None` until a snapshot went out.
     seq: Option<u64>,
     instance: String,
     model: String,
     block_size: usize,
+    capacity: usize,
 }
 
 impl Follower {
     /// The next piece of the stream: a snapshot, the changes since the last piece, or a
-    /// keep-alive comment after a quiet while; `None` when the model is gone.
+    /// keep-alive comment after a quiet while; `None` when the server stops.
     async fn next(mut self) -> Option<(Result<Bytes, actix_web::Error>, Self)> {
         loop {
+            if *self.stopping.borrow() {
+                return None;
+            }
             self.published.borrow_and_update();
             let Some(seq) = self.seq else {
                 let (seq, hashes) = self.prefixes.snapshot();
@@ -118,6 +127,7 @@ impl Follower {
                     instance: self.instance.clone(),
                     model: self.model.clone(),
                     block_size: self.block_size,
+                    capacity: self.capacity,
                     seq,
                     hashes,
                 };
@@ -133,11 +143,20 @@ impl Follower {
                         .collect();
                     return Some((Ok(Bytes::from(text)), self));
                 }
-                Some(_) => match tokio::time::timeout(KEEPALIVE, self.published.changed()).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(_)) => return None,
-                    Err(_) => return Some((Ok(Bytes::from_static(b": keepalive\n\n")), self)),
-                },
+                Some(_) => {
+                    let published = tokio::time::timeout(KEEPALIVE, self.published.changed());
+                    tokio::select! {
+                        changed = published => match changed {
+                            Ok(Ok(())) => {}
+                            Ok(Err(_)) => return None,
+                            Err(_) => {
+                                let keepalive = Bytes::from_static(b": keepalive\n\n");
+                                return Some((Ok(keepalive), self));
+                            }
+                        },
+                        _ = self.stopping.changed() => return None,
+                    }
+                }
             }
         }
     }
@@ -171,11 +190,15 @@ pub(super) async fn cache_events(
     let prefixes = runtime.prefixes[model].clone();
     let follower = Follower {
         published: prefixes.subscribe(),
+        stopping: state.stopping.subscribe(),
         prefixes,
         seq: None,
         instance: state.instance.clone(),
         model: runtime.model_names[model].clone(),
         block_size: runtime.block_size,
+        capacity: (state.kv.get(model))
+            .and_then(|k| k.as_ref())
+            .map_or(0, |k| k.blocks),
     };
     Ok(HttpResponse::Ok()
         .content_type("text/event-stream")

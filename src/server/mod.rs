@@ -62,6 +62,9 @@ pub struct AppState {
     pub openapi: String,
     /// This server process, new at every start (KV-cache event streams carry it).
     pub instance: String,
+    /// Set when shutdown begins: the streams that never end on their own (KV-cache events)
+    /// end then, so they do not hold shutdown for its whole timeout.
+    pub stopping: tokio::sync::watch::Sender<bool>,
     admitted: AtomicUsize,
     created: u64,
 }
@@ -161,11 +164,13 @@ pub fn serve(
             settings: settings.clone(),
             admitted: AtomicUsize::new(0),
             instance: instance_id(),
+            stopping: tokio::sync::watch::Sender::new(false),
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             config,
         });
+        let stopping = state.stopping.clone();
         let data = web::Data::from(state);
         let server = HttpServer::new(move || {
             App::new()
@@ -173,6 +178,7 @@ pub fn serve(
                 .wrap(from_fn(authorize))
                 .configure(handlers::routes)
         })
+        .disable_signals()
         .workers(settings.workers)
         .keep_alive(settings.keep_alive)
         .max_connections(MAX_CONNECTIONS)
@@ -186,10 +192,35 @@ pub fn serve(
             "tokenrouter serving on http://{}:{}",
             settings.host, settings.port
         );
-        server.run().await?;
+        let server = server.run();
+        actix_web::rt::spawn(stop_on_signal(server.handle(), stopping));
+        server.await?;
         runtime.stop();
         anyhow::Ok(())
     })
+}
+
+/// Waits for SIGINT or SIGTERM, then ends the event streams and stops the server gracefully
+/// (in-flight requests finish within the shutdown timeout).
+async fn stop_on_signal(
+    server: actix_web::dev::ServerHandle,
+    stopping: tokio::sync::watch::Sender<bool>,
+) {
+    use actix_web::rt::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        tracing::warn!("cannot listen for SIGINT/SIGTERM");
+        return;
+    };
+    tokio::select! {
+        _ = int.recv() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("stopping: finishing in-flight requests");
+    stopping.send_replace(true);
+    server.stop(true).await;
 }
 
 /// Open connections per HTTP worker, at most; the process's descriptor limit is raised to

@@ -28,6 +28,9 @@ pub struct FleetArgs {
     /// cache_aware+exact's weight of a block still to prefill against a block in flight.
     #[arg(long, default_value_t = 4.0)]
     pub fleet_overlap_weight: f64,
+    /// cache_aware+exact's weight of a cached block a request would evict.
+    #[arg(long, default_value_t = 1.0)]
+    pub fleet_eviction_weight: f64,
     /// Generated traces to simulate: shared-prefix, multi-turn (ignored with --trace).
     #[arg(
         long,
@@ -61,8 +64,9 @@ pub struct FleetArgs {
     pub fleet_block_size: usize,
     #[arg(long, default_value_t = 32)]
     pub max_batch: usize,
-    /// Requests per simulated server in the generated traces.
-    #[arg(long, default_value_t = 60)]
+    /// Requests per simulated server in the generated traces (enough that the caches' warm-up
+    /// does not dominate).
+    #[arg(long, default_value_t = 200)]
     pub requests_per_server: usize,
     /// Prefix groups (shared-prefix) or conversations (multi-turn) per server.
     #[arg(long, default_value_t = 3)]
@@ -189,6 +193,7 @@ pub fn run(
             for name in &args.fleet_policies {
                 let exact = KvAwareSettings {
                     overlap_weight: args.fleet_overlap_weight,
+                    eviction_weight: args.fleet_eviction_weight,
                 };
                 let policy = sim::build_policy(name, exact, 0)?;
                 rows.push(sim::simulate(&trace, servers, shape, &policy, name));

@@ -34,6 +34,8 @@ pub struct CacheAwareSettings {
     pub exact: bool,
     /// With `exact`: weight of a block of prefill still to compute against a block of load.
     pub overlap_weight: f64,
+    /// With `exact`: weight of a cached block a request would evict.
+    pub eviction_weight: f64,
 }
 
 impl Default for CacheAwareSettings {
@@ -46,6 +48,7 @@ impl Default for CacheAwareSettings {
             max_tree_size: 1 << 22,
             exact: false,
             overlap_weight: 4.0,
+            eviction_weight: 1.0,
         }
     }
 }

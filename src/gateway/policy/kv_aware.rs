@@ -4,7 +4,11 @@
 //! already carries (blocks of the requests in flight there). This is the cost NVIDIA Dynamo's
 //! KV router uses: `overlap_weight × prefill blocks + active blocks`, where the active blocks
 //! are the distinct prompt blocks of the requests in flight there plus each one's own (its
-//! tail and output, which the gateway counts on the worker's load).
+//! tail and output, which the gateway counts on the worker's load). Where a worker's cache
+//! capacity is known, the cached blocks a request's new blocks would evict there are added
+//! at `eviction_weight`: without it, every worker holding some common first block looks
+//! cheaper than an idle empty one, and a fleet's cold servers stay unused while the warm
+//! ones evict each other's prefixes.
 //!
 //! A request counts as held by the worker it was sent to until it ends (see
 //! [`crate::gateway::kv_index::Pending`]): requests sharing a prefix that arrive before the
@@ -22,6 +26,9 @@ use crate::gateway::workers::Worker;
 pub struct KvAwareSettings {
     /// Weight of a block of prefill still to compute against a block of decode load.
     pub overlap_weight: f64,
+    /// Weight of a cached block the request would evict (its new blocks beyond the worker's
+    /// free room) against a block of decode load.
+    pub eviction_weight: f64,
 }
 
 impl Default for KvAwareSettings {
@@ -31,6 +38,7 @@ impl Default for KvAwareSettings {
     fn default() -> Self {
         Self {
             overlap_weight: 4.0,
+            eviction_weight: 1.0,
         }
     }
 }
@@ -63,9 +71,18 @@ impl Policy for KvAware {
         let active: Vec<f64> = (workers.iter())
             .map(|w| (self.index.pending_blocks(w.id) + w.active_blocks()) as f64)
             .collect();
+        // Cached prefixes the new blocks would push out, where the worker's room is known.
+        let evicted: Vec<f64> = (workers.iter().zip(&cached))
+            .map(|(w, &c)| {
+                let free = self.index.free_blocks(w.id).unwrap_or(usize::MAX);
+                (blocks.len() - c).saturating_sub(free) as f64
+            })
+            .collect();
         let cost = |i: usize| {
             let prefill = (blocks.len() - cached[i]) as f64;
-            self.settings.overlap_weight * prefill + active[i]
+            self.settings.overlap_weight * prefill
+                + self.settings.eviction_weight * evicted[i]
+                + active[i]
         };
         let index = (0..workers.len())
             .min_by(|&a, &b| {

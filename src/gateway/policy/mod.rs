@@ -126,6 +126,7 @@ pub fn build(kind: PolicyKind, cache: CacheAwareSettings, seed: u64) -> Arc<dyn 
             Arc::new(KvIndex::new()),
             KvAwareSettings {
                 overlap_weight: cache.overlap_weight,
+                eviction_weight: cache.eviction_weight,
             },
         )),
         PolicyKind::Random => Arc::new(RandomChoice::new(seed)),

@@ -193,9 +193,33 @@ fn kv_aware_weighs_prefill_left_against_load() {
     let s = p.select(&ws, &route);
     assert_eq!((s.index, s.matched), (2, Some((128, 160))));
     drop(s);
-    // Load on worker 2 beyond the 8 blocks it saves sends the request elsewhere.
-    let _heavy = set.start(&ws[2], 9);
+    // Load on worker 2 beyond what its 8 blocks save (4 x 8) sends the request elsewhere.
+    let heavy = set.start(&ws[2], 33);
     assert_eq!(p.select(&ws, &route).index, 1);
+    drop(heavy);
     // Untokenized requests go by load.
     assert_eq!(p.select(&ws, &req("x")).index, 1);
+}
+
+#[test]
+fn kv_aware_counts_the_blocks_a_full_cache_would_evict() {
+    use crate::gateway::kv_index::{block_hashes, KvIndex};
+    let (_, ws) = workers(2);
+    let index = Arc::new(KvIndex::new());
+    let p = KvAware::new(index.clone(), KvAwareSettings::default());
+    let blocks = block_hashes(&(0..160).collect::<Vec<u32>>(), 16);
+    let route = RouteRequest {
+        text: "",
+        blocks: Some(&blocks),
+        prompt_tokens: 160,
+        block_size: 16,
+    };
+    // Worker 0 holds the first block: 4 x 9 blocks to prefill against 4 x 10 on worker 1.
+    index.snapshot(ws[0].id, "w0", 0, &blocks[..1]);
+    assert_eq!(p.select(&ws, &route).index, 0);
+    // In a cache of 2 blocks, 8 of its 9 new ones would evict: 36 + 8 against 40.
+    index.set_capacity(ws[0].id, 2);
+    assert_eq!(p.select(&ws, &route).index, 1);
+    index.set_capacity(ws[0].id, 64);
+    assert_eq!(p.select(&ws, &route).index, 0);
 }

@@ -199,6 +199,7 @@ pub fn simulate(
     for w in &workers {
         if let Some(index) = &index {
             index.snapshot(w.id, "sim", 0, &[]);
+            index.set_capacity(w.id, shape.cache_blocks);
         }
     }
     let mut fleet: Vec<Server> = (0..servers)
