@@ -133,6 +133,38 @@ impl Inner {
         }
     }
 
+    /// Per slot, how many leading blocks of `hashes` its worker holds or is about to.
+    fn matched(&self, hashes: &[PrefixHash]) -> Vec<usize> {
+        let mut matched = vec![0; self.slots.len()];
+        let Some(first) = hashes.first() else {
+            return matched;
+        };
+        // Workers still matching, as a bitset over slots; a worker's overlap is the block at
+        // which its bit drops out.
+        let words = self.slots.len().div_ceil(64);
+        let mut alive: Vec<u64> = (0..words).map(|i| self.word(first, i)).collect();
+        for (slot, m) in matched.iter_mut().enumerate() {
+            if (alive[slot / 64] >> (slot % 64)) & 1 == 1 {
+                *m = hashes.len();
+            }
+        }
+        for (i, hash) in hashes.iter().enumerate().skip(1) {
+            if alive.iter().all(|&w| w == 0) {
+                break;
+            }
+            for (w, word) in alive.iter_mut().enumerate() {
+                let next = *word & self.word(hash, w);
+                let mut dropped = *word & !next;
+                while dropped != 0 {
+                    matched[w * 64 + dropped.trailing_zeros() as usize] = i;
+                    dropped &= dropped - 1;
+                }
+                *word = next;
+            }
+        }
+        matched
+    }
+
     /// Word `i` of the workers holding `hash` or about to.
     fn word(&self, hash: &PrefixHash, i: usize) -> u64 {
         self.holders.get(hash).map_or(0, |h| h.word(i))
@@ -152,6 +184,18 @@ impl Inner {
             }
         }
     }
+}
+
+/// What the index says of one worker for one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerView {
+    /// Leading blocks of the request it holds or is about to.
+    pub cached: usize,
+    /// Distinct prompt blocks of its requests in flight (a shared prefix counts once).
+    pub pending: usize,
+    /// Blocks its cache could still take without evicting a cached prefix (its capacity
+    /// less what it holds and is about to); `None` when the capacity is not known.
+    pub free: Option<usize>,
 }
 
 /// One change a worker published: prefixes stored or removed, numbered from `seq` on (one
@@ -314,37 +358,30 @@ impl KvIndex {
     /// For each of `workers`, how many leading blocks of `hashes` (a request's chained block
     /// hashes) it holds or is about to, written into `out` in the same order.
     pub fn overlaps(&self, hashes: &[PrefixHash], workers: &[WorkerId], out: &mut Vec<usize>) {
+        let mut views = Vec::with_capacity(workers.len());
+        self.view(hashes, workers, &mut views);
         out.clear();
-        out.resize(workers.len(), 0);
+        out.extend(views.iter().map(|v| v.cached));
+    }
+
+    /// What the index says of each of `workers` for a request of `hashes`, read at once:
+    /// written into `out` in the same order.
+    pub fn view(&self, hashes: &[PrefixHash], workers: &[WorkerId], out: &mut Vec<WorkerView>) {
+        out.clear();
+        out.resize(workers.len(), WorkerView::default());
         let inner = self.read();
-        let Some(first) = hashes.first() else {
-            return;
-        };
-        // Workers still matching, as a bitset over slots; a worker's overlap is the block at
-        // which its bit drops out.
-        let words = inner.slots.len().div_ceil(64);
-        let mut alive: Vec<u64> = (0..words).map(|i| inner.word(first, i)).collect();
-        let in_first = alive.clone();
-        let mut matched = vec![hashes.len(); inner.slots.len()];
-        for (i, hash) in hashes.iter().enumerate().skip(1) {
-            if alive.iter().all(|&w| w == 0) {
-                break;
-            }
-            for (w, word) in alive.iter_mut().enumerate() {
-                let next = *word & inner.word(hash, w);
-                let mut dropped = *word & !next;
-                while dropped != 0 {
-                    matched[w * 64 + dropped.trailing_zeros() as usize] = i;
-                    dropped &= dropped - 1;
-                }
-                *word = next;
-            }
-        }
+        let matched = inner.matched(hashes);
         for (o, worker) in out.iter_mut().zip(workers) {
-            if let Some(held) = inner.workers.get(worker) {
-                let bit = (in_first[held.slot / 64] >> (held.slot % 64)) & 1;
-                *o = if bit == 1 { matched[held.slot] } else { 0 };
-            }
+            let Some(held) = inner.workers.get(worker) else {
+                continue;
+            };
+            let pending = inner.pending_blocks.get(held.slot).copied().unwrap_or(0);
+            *o = WorkerView {
+                cached: matched.get(held.slot).copied().unwrap_or(0),
+                pending,
+                free: (held.capacity > 0)
+                    .then(|| held.capacity.saturating_sub(held.hashes.len() + pending)),
+            };
         }
     }
 
@@ -392,25 +429,6 @@ impl KvIndex {
     /// Records how many blocks `worker`'s cache holds at most (0: not known).
     pub fn set_capacity(&self, worker: WorkerId, capacity: usize) {
         self.write().held(worker).capacity = capacity;
-    }
-
-    /// Blocks `worker`'s cache could still take without evicting a cached prefix: its
-    /// capacity less what it holds and what its requests in flight are about to; `None`
-    /// when the capacity is not known.
-    pub fn free_blocks(&self, worker: WorkerId) -> Option<usize> {
-        let inner = self.read();
-        let held = inner.workers.get(&worker).filter(|h| h.capacity > 0)?;
-        let pending = inner.pending_blocks.get(held.slot).copied().unwrap_or(0);
-        Some(held.capacity.saturating_sub(held.hashes.len() + pending))
-    }
-
-    /// Distinct prompt blocks of the requests in flight on `worker` (requests sharing a
-    /// prefix share its blocks there).
-    pub fn pending_blocks(&self, worker: WorkerId) -> usize {
-        let inner = self.read();
-        (inner.workers.get(&worker))
-            .and_then(|held| inner.pending_blocks.get(held.slot).copied())
-            .unwrap_or(0)
     }
 
     /// Every worker's state, by worker id.
@@ -481,14 +499,21 @@ mod tests {
         let second = index.add_pending(1, &req[..2]);
         index.overlaps(&req, &[0, 1], &mut out);
         assert_eq!(out, [1, 2]);
-        assert_eq!(index.pending_blocks(1), 2, "shared blocks count once");
+        let mut views = Vec::new();
+        index.view(&req, &[1], &mut views);
+        assert_eq!(views[0].pending, 2, "shared blocks count once");
+        assert_eq!(views[0].free, None, "capacity not known");
+        index.set_capacity(1, 5);
+        index.view(&req, &[1], &mut views);
+        assert_eq!(views[0].free, Some(3));
         drop(first);
         index.overlaps(&req, &[0, 1], &mut out);
         assert_eq!(out, [1, 2], "the second request still counts");
         drop(second);
         index.overlaps(&req, &[0, 1], &mut out);
         assert_eq!(out, [1, 0]);
-        assert_eq!(index.pending_blocks(1), 0);
+        index.view(&req, &[1], &mut views);
+        assert_eq!((views[0].pending, views[0].free), (0, Some(5)));
         let _third = index.add_pending(1, &req);
         index.remove_worker(1);
         index.overlaps(&req, &[1], &mut out);

@@ -64,25 +64,19 @@ impl Policy for KvAware {
             return Selection::plain(least_loaded(workers));
         };
         let ids: Vec<WorkerId> = workers.iter().map(|w| w.id).collect();
-        let mut cached = Vec::with_capacity(ids.len());
-        self.index.overlaps(blocks, &ids, &mut cached);
-        // Decode load in blocks: the distinct prompt blocks in flight there (shared prefixes
-        // once) and each request's own blocks beyond them.
-        let active: Vec<f64> = (workers.iter())
-            .map(|w| (self.index.pending_blocks(w.id) + w.active_blocks()) as f64)
-            .collect();
-        // Cached prefixes the new blocks would push out, where the worker's room is known.
-        let evicted: Vec<f64> = (workers.iter().zip(&cached))
-            .map(|(w, &c)| {
-                let free = self.index.free_blocks(w.id).unwrap_or(usize::MAX);
-                (blocks.len() - c).saturating_sub(free) as f64
-            })
-            .collect();
+        let mut views = Vec::with_capacity(ids.len());
+        self.index.view(blocks, &ids, &mut views);
         let cost = |i: usize| {
-            let prefill = (blocks.len() - cached[i]) as f64;
-            self.settings.overlap_weight * prefill
-                + self.settings.eviction_weight * evicted[i]
-                + active[i]
+            let view = &views[i];
+            let prefill = blocks.len() - view.cached;
+            // Cached prefixes the new blocks would push out, where the worker's room is known.
+            let evicted = prefill.saturating_sub(view.free.unwrap_or(usize::MAX));
+            // Decode load in blocks: the distinct prompt blocks in flight there (shared
+            // prefixes once) and each request's own blocks beyond them.
+            let active = view.pending + workers[i].active_blocks();
+            self.settings.overlap_weight * prefill as f64
+                + self.settings.eviction_weight * evicted as f64
+                + active as f64
         };
         let index = (0..workers.len())
             .min_by(|&a, &b| {
@@ -96,7 +90,7 @@ impl Policy for KvAware {
         Selection {
             index,
             matched: Some((
-                cached[index] * block_size,
+                views[index].cached * block_size,
                 request.prompt_tokens.max(blocks.len() * block_size),
             )),
             pending: Some(self.index.add_pending(workers[index].id, blocks)),
