@@ -182,6 +182,109 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
+/// What a run counts as it goes.
+struct Counts {
+    hit_tokens: usize,
+    prompt_tokens: usize,
+    output_tokens: usize,
+    /// Time of the last completion.
+    last: f64,
+    /// Per request (NaN until known).
+    ttft: Vec<f64>,
+    e2e: Vec<f64>,
+}
+
+impl Server {
+    fn new(shape: &ServerShape) -> Self {
+        Self {
+            cache: BlockCache::new(shape.cache_blocks),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            busy: false,
+            busy_time: 0.0,
+        }
+    }
+
+    /// Admits what fits and starts a step; returns how long it takes (`None`: no work).
+    fn start_step(
+        &mut self,
+        trace: &Trace,
+        shape: &ServerShape,
+        counts: &mut Counts,
+    ) -> Option<f64> {
+        let bs = trace.block_size.max(1);
+        let mut prefill = 0;
+        while self.running.len() < shape.max_batch {
+            let Some(&(request, _)) = self.waiting.front() else {
+                break;
+            };
+            let r = &trace.requests[request];
+            // Leave at least one token to compute, as the real scheduler does.
+            let usable = (r.prompt_tokens - 1) / bs;
+            let hit = self.cache.hit(&r.blocks[..usable.min(r.blocks.len())]);
+            let total = (r.prompt_tokens + r.output_tokens).div_ceil(bs);
+            self.cache.pin(&r.blocks[..hit]);
+            if !self.cache.fits(total - hit) {
+                self.cache.unpin(&r.blocks[..hit]);
+                break;
+            }
+            self.cache.take(total - hit);
+            let (_, load) = self.waiting.pop_front().expect("looked at above");
+            let compute = r.prompt_tokens - hit * bs;
+            counts.hit_tokens += hit * bs;
+            counts.prompt_tokens += r.prompt_tokens;
+            prefill += compute;
+            self.running.push(Running {
+                request,
+                shared: r.blocks[..hit].to_vec(),
+                private: total - r.blocks.len(),
+                prefill: compute,
+                generated: 0,
+                _load: load,
+            });
+        }
+        self.busy = !self.running.is_empty();
+        if !self.busy {
+            return None;
+        }
+        let decoding = self.running.iter().filter(|r| r.prefill == 0).count();
+        let took = shape.latency.step(decoding, prefill);
+        self.busy_time += took;
+        Some(took)
+    }
+
+    /// Ends the step at `now`: prefills are done (their blocks indexed), every running
+    /// request has one more token, and finished ones give their blocks back.
+    fn end_step(&mut self, now: f64, trace: &Trace, counts: &mut Counts) {
+        let mut k = 0;
+        while k < self.running.len() {
+            let run = &mut self.running[k];
+            let r = &trace.requests[run.request];
+            if run.prefill > 0 {
+                run.prefill = 0;
+                let new = &r.blocks[run.shared.len()..];
+                let stored = self.cache.register(new);
+                // A block another request indexed first stays this request's own.
+                run.private += new.len() - stored.len();
+                run.shared.extend(stored);
+                counts.ttft[run.request] = now - r.arrival;
+            }
+            run.generated += 1;
+            if run.generated >= r.output_tokens {
+                let run = self.running.swap_remove(k);
+                self.cache.unpin(&run.shared);
+                self.cache.free(run.private);
+                counts.e2e[run.request] = now - r.arrival;
+                counts.output_tokens += r.output_tokens;
+                counts.last = counts.last.max(now);
+                continue;
+            }
+            k += 1;
+        }
+        self.busy = false;
+    }
+}
+
 /// Serves `trace` on `servers` simulated servers behind `policy`.
 pub fn simulate(
     trace: &Trace,
@@ -202,15 +305,7 @@ pub fn simulate(
             index.set_capacity(w.id, shape.cache_blocks);
         }
     }
-    let mut fleet: Vec<Server> = (0..servers)
-        .map(|_| Server {
-            cache: BlockCache::new(shape.cache_blocks),
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            busy: false,
-            busy_time: 0.0,
-        })
-        .collect();
+    let mut fleet: Vec<Server> = (0..servers).map(|_| Server::new(&shape)).collect();
     let mut queue: BinaryHeap<Event> = (trace.requests.iter().enumerate())
         .map(|(index, r)| Event {
             time: r.arrival,
@@ -218,19 +313,22 @@ pub fn simulate(
             index,
         })
         .collect();
-    let mut ttft = vec![f64::NAN; trace.requests.len()];
-    let mut e2e = vec![f64::NAN; trace.requests.len()];
-    let (mut hit_tokens, mut prompt_tokens, mut output, mut last) = (0usize, 0usize, 0usize, 0f64);
-    // Requests too large for any cache are dropped (and counted out) rather than wait forever.
-    let too_big = |r: &trace::TraceRequest| {
-        (r.prompt_tokens + r.output_tokens).div_ceil(bs) > shape.cache_blocks
+    let n = trace.requests.len();
+    let mut counts = Counts {
+        hit_tokens: 0,
+        prompt_tokens: 0,
+        output_tokens: 0,
+        last: 0.0,
+        ttft: vec![f64::NAN; n],
+        e2e: vec![f64::NAN; n],
     };
-
     while let Some(event) = queue.pop() {
         let now = event.time;
-        if event.arrival {
+        let s = if event.arrival {
             let r = &trace.requests[event.index];
-            if too_big(r) {
+            // A request larger than any cache is dropped (and counted out): it would wait
+            // forever.
+            if (r.prompt_tokens + r.output_tokens).div_ceil(bs) > shape.cache_blocks {
                 continue;
             }
             let route = RouteRequest {
@@ -240,76 +338,40 @@ pub fn simulate(
                 block_size: bs,
             };
             let selection = policy.select(&workers, &route);
-            let chosen = selection.index;
+            let s = selection.index;
             let own = (r.prompt_tokens + r.output_tokens).div_ceil(bs) - r.blocks.len();
-            let load = (set.start(&workers[chosen], own)).holding(selection.pending);
-            fleet[chosen].waiting.push_back((event.index, load));
-            if !fleet[chosen].busy {
-                start_step(
-                    &mut fleet[chosen],
-                    chosen,
-                    now,
-                    trace,
-                    shape,
-                    &mut queue,
-                    &mut hit_tokens,
-                    &mut prompt_tokens,
-                );
-            }
-            continue;
-        }
-        // A step of server `s` ended: prefills are done, every running request has one more
-        // token, and the cache's events go out.
-        let s = event.index;
-        let server = &mut fleet[s];
-        let mut k = 0;
-        while k < server.running.len() {
-            let run = &mut server.running[k];
-            let r = &trace.requests[run.request];
-            if run.prefill > 0 {
-                run.prefill = 0;
-                let new = &r.blocks[run.shared.len()..];
-                let stored = server.cache.register(new);
-                // A block another request indexed first stays this request's own.
-                run.private += new.len() - stored.len();
-                run.shared.extend(stored);
-                ttft[run.request] = now - r.arrival;
-            }
-            run.generated += 1;
-            if run.generated >= r.output_tokens {
-                let run = server.running.swap_remove(k);
-                server.cache.unpin(&run.shared);
-                server.cache.free(run.private);
-                e2e[run.request] = now - r.arrival;
-                output += r.output_tokens;
-                last = last.max(now);
+            let load = (set.start(&workers[s], own)).holding(selection.pending);
+            fleet[s].waiting.push_back((event.index, load));
+            if fleet[s].busy {
                 continue;
             }
-            k += 1;
-        }
-        if let Some(index) = &index {
-            for e in server.cache.drain_events() {
-                let applied = index.apply(workers[s].id, &e);
-                debug_assert_eq!(applied, Applied::Ok);
+            s
+        } else {
+            let s = event.index;
+            fleet[s].end_step(now, trace, &mut counts);
+            if let Some(index) = &index {
+                for e in fleet[s].cache.drain_events() {
+                    let applied = index.apply(workers[s].id, &e);
+                    debug_assert_eq!(applied, Applied::Ok);
+                }
             }
+            s
+        };
+        if let Some(took) = fleet[s].start_step(trace, &shape, &mut counts) {
+            queue.push(Event {
+                time: now + took,
+                arrival: false,
+                index: s,
+            });
         }
-        server.busy = false;
-        start_step(
-            server,
-            s,
-            now,
-            trace,
-            shape,
-            &mut queue,
-            &mut hit_tokens,
-            &mut prompt_tokens,
-        );
     }
 
-    let mut t: Vec<f64> = ttft.iter().copied().filter(|x| x.is_finite()).collect();
-    let mut e: Vec<f64> = e2e.iter().copied().filter(|x| x.is_finite()).collect();
-    t.sort_by(f64::total_cmp);
-    e.sort_by(f64::total_cmp);
+    let finished = |v: &[f64]| {
+        let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let (t, e) = (finished(&counts.ttft), finished(&counts.e2e));
     let busy: Vec<f64> = fleet.iter().map(|s| s.busy_time).collect();
     let mean = busy.iter().sum::<f64>() / busy.len().max(1) as f64;
     let start = trace.requests.first().map_or(0.0, |r| r.arrival);
@@ -317,75 +379,18 @@ pub fn simulate(
         policy: name.to_string(),
         servers,
         requests: e.len(),
-        throughput: output as f64 / (last - start).max(1e-9),
+        throughput: counts.output_tokens as f64 / (counts.last - start).max(1e-9),
         ttft_p50: percentile(&t, 0.5),
         ttft_p90: percentile(&t, 0.9),
         e2e_p50: percentile(&e, 0.5),
         e2e_p90: percentile(&e, 0.9),
-        hit_rate: hit_tokens as f64 / prompt_tokens.max(1) as f64,
+        hit_rate: counts.hit_tokens as f64 / counts.prompt_tokens.max(1) as f64,
         imbalance: busy.iter().copied().fold(0.0, f64::max) / mean.max(1e-12),
         index_agrees: index.map(|index| {
             let held = index.workers();
             (fleet.iter().zip(&held)).all(|(s, h)| h.digest == digest(s.cache.held()))
         }),
     }
-}
-
-/// Admits what fits and schedules the end of the next step, when there is work.
-#[allow(clippy::too_many_arguments)]
-fn start_step(
-    server: &mut Server,
-    s: usize,
-    now: f64,
-    trace: &Trace,
-    shape: ServerShape,
-    queue: &mut BinaryHeap<Event>,
-    hit_tokens: &mut usize,
-    prompt_tokens: &mut usize,
-) {
-    let bs = trace.block_size.max(1);
-    let mut prefill = 0;
-    while server.running.len() < shape.max_batch {
-        let Some(&(request, _)) = server.waiting.front() else {
-            break;
-        };
-        let r = &trace.requests[request];
-        // Leave at least one token to compute, as the real scheduler does.
-        let usable = (r.prompt_tokens - 1) / bs;
-        let hit = server.cache.hit(&r.blocks[..usable.min(r.blocks.len())]);
-        let total = (r.prompt_tokens + r.output_tokens).div_ceil(bs);
-        server.cache.pin(&r.blocks[..hit]);
-        if !server.cache.fits(total - hit) {
-            server.cache.unpin(&r.blocks[..hit]);
-            break;
-        }
-        server.cache.take(total - hit);
-        let (_, load) = server.waiting.pop_front().expect("looked at above");
-        let compute = r.prompt_tokens - hit * bs;
-        *hit_tokens += hit * bs;
-        *prompt_tokens += r.prompt_tokens;
-        prefill += compute;
-        server.running.push(Running {
-            request,
-            shared: r.blocks[..hit].to_vec(),
-            private: total - r.blocks.len(),
-            prefill: compute,
-            generated: 0,
-            _load: load,
-        });
-    }
-    if server.running.is_empty() {
-        return;
-    }
-    let decoding = server.running.iter().filter(|r| r.prefill == 0).count();
-    let took = shape.latency.step(decoding, prefill);
-    server.busy = true;
-    server.busy_time += took;
-    queue.push(Event {
-        time: now + took,
-        arrival: false,
-        index: s,
-    });
 }
 
 #[cfg(test)]
