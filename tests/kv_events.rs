@@ -194,3 +194,54 @@ fn exact_routing_sends_a_prefix_to_the_server_holding_it() {
     let rate = gw.metric("tokenrouter_gateway_cache_hit_rate");
     assert!(rate > 0.3, "token hit rate {rate}");
 }
+
+/// `serve --dp-size 2 --exact-prefix-match --api-key K`: the gateway shows the servers' key
+/// to their event streams (which check it like the API) and follows both.
+#[test]
+fn serve_dp_follows_its_keyed_servers_events() {
+    let dir = common::server::tiny_pair_config("");
+    let config = dir.path().join("config.toml");
+    let args = [
+        "serve",
+        "--config",
+        config.to_str().unwrap(),
+        "--dp-size",
+        "2",
+        "--exact-prefix-match",
+        "--api-key",
+        "dp-key",
+    ];
+    let port = common::server::free_port_run(2);
+    let _gw = TestServer::launch_on(port, &args, &[], dir, &[200]);
+    let auth = [("Authorization", "Bearer dp-key")];
+    let get = |p: u16, path: &str, headers: &[(&str, &str)]| {
+        common::server::request(p, "GET", path, None, headers).unwrap()
+    };
+    // The servers' streams refuse a missing key.
+    assert_eq!(get(port + 1, "/cache/vocabulary", &[]).status, 401);
+    let started = Instant::now();
+    loop {
+        let workers = get(port, "/workers", &auth).json();
+        let synced = (workers["workers"].as_array().unwrap().iter())
+            .filter(|w| w["kv_index"]["synced"] == true)
+            .count();
+        if synced == 2 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the gateway never followed both servers: {workers}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let body = chat("You are terse. ".repeat(8).as_str(), "hi", 2);
+    let r = common::server::request(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        Some(body.as_bytes()),
+        &auth,
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+}
