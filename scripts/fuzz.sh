@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 DURATION=${1:-30}
 [ $# -gt 0 ] && shift
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(requests chat_template tokenizer model_file)
+[ ${#targets[@]} -gt 0 ] || targets=(requests chat_template tokenizer model_file kv_events)
 
 if ! cargo +nightly --version >/dev/null 2>&1; then
   echo "fuzz: no nightly Rust toolchain here (libFuzzer's instrumentation needs one): not fuzzed" >&2

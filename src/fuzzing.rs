@@ -25,6 +25,33 @@ pub fn requests(body: &[u8]) {
     }
 }
 
+/// A worker's KV-cache event stream as the gateway reads it: the input cut into chunks (each
+/// chunk's length from one byte of it), split into events, applied to an exact index for one
+/// of three workers (a byte of the event picks which), then a lookup.
+pub fn kv_events(data: &[u8]) {
+    use crate::gateway::kv_follow::{EventReader, ExactRouting};
+    use crate::gateway::kv_index::KvIndex;
+    use std::sync::Arc;
+    let exact = ExactRouting::new(Arc::new(KvIndex::new()), None);
+    let mut reader = EventReader::default();
+    let mut rest = data;
+    while let Some((&len, tail)) = rest.split_first() {
+        let (chunk, next) = tail.split_at((len as usize).min(tail.len()));
+        rest = next;
+        let Ok(events) = reader.push(chunk) else {
+            return;
+        };
+        for (k, event) in events.into_iter().enumerate() {
+            if let Ok(event) = event {
+                let _ = exact.apply(u32::from(chunk.get(k).copied().unwrap_or(0) % 3), event);
+            }
+        }
+    }
+    let mut views = Vec::new();
+    exact.index.view(&[1, 2, 3], &[0, 1, 2], &mut views);
+    let _ = exact.index.workers();
+}
+
 /// The chat template renderer: a template from a model file (the input before its first NUL
 /// byte) rendering the messages a client sent (one per further NUL-separated part, roles
 /// taking turns).

@@ -33,6 +33,13 @@ fn request_parsers() {
 }
 
 #[test]
+fn kv_event_streams() {
+    for (_, data) in inputs("kv_events") {
+        fuzzing::kv_events(&data);
+    }
+}
+
+#[test]
 fn chat_templates() {
     for (_, data) in inputs("chat_template") {
         fuzzing::chat_template(&data);

@@ -17,6 +17,7 @@ use futures_util::StreamExt;
 
 use super::kv_index::{block_hashes, Applied, KvEvent, KvIndex};
 use super::request_text::Endpoint;
+use super::tree::WorkerId;
 use super::workers::Worker;
 use crate::actors::prompt_tokens;
 use crate::actors::remote::vocabulary::WireVocabulary;
@@ -100,7 +101,7 @@ impl ExactRouting {
     }
 
     /// Applies one event of `worker`'s stream; `Err` when the stream must be reopened.
-    fn apply(&self, worker: &Worker, event: KvStreamEvent) -> Result<(), String> {
+    pub fn apply(&self, worker: WorkerId, event: KvStreamEvent) -> Result<(), String> {
         let (seq, hashes, stored) = match event {
             KvStreamEvent::Snapshot {
                 instance,
@@ -117,8 +118,8 @@ impl ExactRouting {
                     ));
                 }
                 self.block_size.store(block_size, Ordering::Release);
-                self.index.snapshot(worker.id, &instance, seq, &hashes);
-                self.index.set_capacity(worker.id, capacity);
+                self.index.snapshot(worker, &instance, seq, &hashes);
+                self.index.set_capacity(worker, capacity);
                 return Ok(());
             }
             KvStreamEvent::Stored { seq, hashes } => (seq, hashes, true),
@@ -128,7 +129,7 @@ impl ExactRouting {
             true => KvEvent::Stored { seq, hashes },
             false => KvEvent::Removed { seq, hashes },
         };
-        match self.index.apply(worker.id, &event) {
+        match self.index.apply(worker, &event) {
             Applied::Ok => Ok(()),
             Applied::Gap { expected, got } => {
                 Err(format!("event {got} where {expected} was due: resyncing"))
@@ -146,7 +147,7 @@ impl ExactRouting {
         if !response.status().is_success() {
             return Err(format!("/cache/events answered {}", response.status()));
         }
-        let mut pending: Vec<u8> = Vec::new();
+        let mut reader = EventReader::default();
         loop {
             // A live stream sends at least a keep-alive every 10 s.
             let next = tokio::time::timeout(Duration::from_secs(30), response.next()).await;
@@ -155,20 +156,55 @@ impl ExactRouting {
                 Ok(None) => return Err("the stream ended".into()),
                 Ok(Some(chunk)) => chunk.map_err(|e| e.to_string())?,
             };
-            pending.extend_from_slice(&chunk);
-            while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
-                let block: Vec<u8> = pending.drain(..end + 2).collect();
+            for event in reader.push(&chunk)? {
                 if worker.is_retired() {
                     return Ok(());
                 }
-                let text = String::from_utf8_lossy(&block);
-                for data in text.lines().filter_map(|l| l.strip_prefix("data:")) {
-                    let event: KvStreamEvent = serde_json::from_str(data.trim())
-                        .map_err(|e| format!("an event is not JSON ({e})"))?;
-                    self.apply(worker, event)?;
-                }
+                self.apply(worker.id, event?)?;
             }
         }
+    }
+}
+
+/// The longest event a worker may send (a snapshot of a million blocks is about 21 MB).
+const MAX_EVENT_BYTES: usize = 256 << 20;
+
+/// Splits a worker's event stream, as its chunks arrive, into events.
+#[derive(Default)]
+pub struct EventReader {
+    /// Bytes of an event not yet whole.
+    pending: Vec<u8>,
+    /// How far `pending` is known to hold no event end.
+    scanned: usize,
+}
+
+impl EventReader {
+    /// The events `chunk` completes, each the JSON of its `data` lines or why it is not one
+    /// (comment lines, the keep-alives, carry no data and give nothing); `Err` when an event
+    /// grows beyond any a worker sends.
+    pub fn push(&mut self, chunk: &[u8]) -> Result<Vec<Result<KvStreamEvent, String>>, String> {
+        self.pending.extend_from_slice(chunk);
+        let mut out = Vec::new();
+        loop {
+            let from = self.scanned.saturating_sub(1);
+            let Some(at) = self.pending[from..].windows(2).position(|w| w == b"\n\n") else {
+                break;
+            };
+            let block: Vec<u8> = self.pending.drain(..from + at + 2).collect();
+            self.scanned = 0;
+            let text = String::from_utf8_lossy(&block);
+            for data in text.lines().filter_map(|l| l.strip_prefix("data:")) {
+                out.push(
+                    serde_json::from_str(data.trim())
+                        .map_err(|e| format!("an event is not JSON ({e})")),
+                );
+            }
+        }
+        self.scanned = self.pending.len();
+        if self.pending.len() > MAX_EVENT_BYTES {
+            return Err(format!("an event exceeds {MAX_EVENT_BYTES} bytes"));
+        }
+        Ok(out)
     }
 }
 
@@ -203,4 +239,36 @@ pub async fn follow(exact: Arc<ExactRouting>, worker: Arc<Worker>) {
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
     exact.index.remove_worker(worker.id);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_split_whatever_the_chunks() {
+        let events = [
+            KvStreamEvent::Stored {
+                seq: 1,
+                hashes: vec![7, 8],
+            },
+            KvStreamEvent::Removed {
+                seq: 3,
+                hashes: vec![7],
+            },
+        ];
+        let text: String = events.iter().map(KvStreamEvent::to_sse).collect::<String>()
+            + ": keepalive\n\ndata: not json\n\n";
+        for size in [1, 2, 5, 64, 4096] {
+            let mut reader = EventReader::default();
+            let mut got = Vec::new();
+            for chunk in text.as_bytes().chunks(size) {
+                got.extend(reader.push(chunk).unwrap());
+            }
+            assert_eq!(got.len(), 3, "chunks of {size}");
+            assert_eq!(got[0].as_ref().unwrap(), &events[0]);
+            assert_eq!(got[1].as_ref().unwrap(), &events[1]);
+            assert!(got[2].as_ref().unwrap_err().contains("not JSON"));
+        }
+    }
 }
