@@ -71,13 +71,14 @@ fn main() {
     );
     // A worker's event stream: a snapshot, stores and a removal, a keep-alive, then a gap;
     // cut into chunks of 40 bytes, each after its length.
-    let stream = concat!(
-        "event: snapshot\ndata: {\"type\":\"snapshot\",\"instance\":\"a\",\"model\":\"m\",",
-        "\"block_size\":16,\"capacity\":64,\"seq\":2,\"hashes\":[1,2]}\n\n",
-        "event: stored\ndata: {\"type\":\"stored\",\"seq\":3,\"hashes\":[3]}\n\n",
-        ": keepalive\n\n",
-        "event: removed\ndata: {\"type\":\"removed\",\"seq\":4,\"hashes\":[1]}\n\n",
-        "event: stored\ndata: {\"type\":\"stored\",\"seq\":9,\"hashes\":[4]}\n\n",
+    let check = tokenrouter::scheduler::hash_check();
+    let stream = format!(
+        "event: snapshot\ndata: {{\"type\":\"snapshot\",\"instance\":\"a\",\"model\":\"m\",\
+         \"block_size\":16,\"capacity\":64,\"hash_check\":{check},\"seq\":2,\"hashes\":[1,2]}}\n\n\
+         event: stored\ndata: {{\"type\":\"stored\",\"seq\":3,\"hashes\":[3]}}\n\n\
+         : keepalive\n\n\
+         event: removed\ndata: {{\"type\":\"removed\",\"seq\":4,\"hashes\":[1]}}\n\n\
+         event: stored\ndata: {{\"type\":\"stored\",\"seq\":9,\"hashes\":[4]}}\n\n"
     );
     let mut framed = Vec::new();
     for chunk in stream.as_bytes().chunks(40) {

@@ -25,6 +25,24 @@ use crate::model::Vocabulary;
 use crate::scheduler::PrefixHash;
 use crate::server::kv_events::KvStreamEvent;
 
+/// Why a worker's stream stopped being followed.
+#[derive(Debug)]
+pub enum FollowError {
+    /// The events skipped a number: reopen at once, the new snapshot resyncs.
+    Gap(String),
+    /// The worker's blocks cannot be indexed with the others' (another block size, another
+    /// hash): said once as a warning, retried with backoff.
+    Incompatible(String),
+    /// The connection failed or the stream broke: retried with backoff.
+    Broken(String),
+}
+
+impl From<String> for FollowError {
+    fn from(why: String) -> Self {
+        Self::Broken(why)
+    }
+}
+
 /// What exact routing shares: the index, the vocabulary and the workers' block size.
 pub struct ExactRouting {
     pub index: Arc<KvIndex>,
@@ -101,20 +119,26 @@ impl ExactRouting {
     }
 
     /// Applies one event of `worker`'s stream; `Err` when the stream must be reopened.
-    pub fn apply(&self, worker: WorkerId, event: KvStreamEvent) -> Result<(), String> {
+    pub fn apply(&self, worker: WorkerId, event: KvStreamEvent) -> Result<(), FollowError> {
         let (seq, hashes, stored) = match event {
             KvStreamEvent::Snapshot {
                 instance,
                 block_size,
                 capacity,
+                hash_check,
                 seq,
                 hashes,
                 ..
             } => {
                 let known = self.block_size.load(Ordering::Acquire);
                 if known != 0 && known != block_size {
-                    return Err(format!(
+                    return Err(FollowError::Incompatible(format!(
                         "block size {block_size}, but other workers use {known}: not indexed"
+                    )));
+                }
+                if hash_check != crate::scheduler::hash_check() {
+                    return Err(FollowError::Incompatible(
+                        "it hashes blocks unlike this gateway (another build?): not indexed".into(),
                     ));
                 }
                 self.block_size.store(block_size, Ordering::Release);
@@ -131,30 +155,33 @@ impl ExactRouting {
         };
         match self.index.apply(worker, &event) {
             Applied::Ok => Ok(()),
-            Applied::Gap { expected, got } => {
-                Err(format!("event {got} where {expected} was due: resyncing"))
-            }
+            Applied::Gap { expected, got } => Err(FollowError::Gap(format!(
+                "event {got} where {expected} was due: resyncing"
+            ))),
         }
     }
 
     /// Follows one stream until it ends or breaks.
-    async fn stream_once(&self, client: &awc::Client, worker: &Worker) -> Result<(), String> {
+    async fn stream_once(&self, client: &awc::Client, worker: &Worker) -> Result<(), FollowError> {
         self.fetch_vocabulary(client, worker).await?;
         let mut response = (self.get(client, format!("{}/cache/events", worker.url)))
             .send()
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| FollowError::Broken(e.to_string()))?;
         if !response.status().is_success() {
-            return Err(format!("/cache/events answered {}", response.status()));
+            let status = response.status();
+            return Err(FollowError::Broken(format!(
+                "/cache/events answered {status}"
+            )));
         }
         let mut reader = EventReader::default();
         loop {
             // A live stream sends at least a keep-alive every 10 s.
             let next = tokio::time::timeout(Duration::from_secs(30), response.next()).await;
             let chunk: Bytes = match next {
-                Err(_) => return Err("the stream went quiet".into()),
-                Ok(None) => return Err("the stream ended".into()),
-                Ok(Some(chunk)) => chunk.map_err(|e| e.to_string())?,
+                Err(_) => return Err(FollowError::Broken("the stream went quiet".into())),
+                Ok(None) => return Err(FollowError::Broken("the stream ended".into())),
+                Ok(Some(chunk)) => chunk.map_err(|e| FollowError::Broken(e.to_string()))?,
             };
             for event in reader.push(&chunk)? {
                 if worker.is_retired() {
@@ -217,9 +244,10 @@ pub async fn follow(exact: Arc<ExactRouting>, worker: Arc<Worker>) {
         .timeout(Duration::from_secs(365 * 24 * 3600))
         .finish();
     let mut backoff = Duration::from_millis(100);
+    let mut warned = false;
     while !worker.is_retired() {
         let opened = std::time::Instant::now();
-        let outcome: Result<(), String> = exact.stream_once(&client, &worker).await;
+        let outcome = exact.stream_once(&client, &worker).await;
         if opened.elapsed() > Duration::from_secs(5) {
             backoff = Duration::from_millis(100);
         }
@@ -228,11 +256,18 @@ pub async fn follow(exact: Arc<ExactRouting>, worker: Arc<Worker>) {
             break;
         }
         match outcome {
-            Err(why) if why.ends_with("resyncing") => {
+            Err(FollowError::Gap(why)) => {
                 tracing::info!(worker = %worker.url, "{why}");
                 continue;
             }
-            Err(why) => tracing::debug!(worker = %worker.url, "KV events: {why}"),
+            Err(FollowError::Incompatible(why)) if !warned => {
+                tracing::warn!(worker = %worker.url, "KV events: {why}");
+                warned = true;
+            }
+            Err(FollowError::Incompatible(_)) => {}
+            Err(FollowError::Broken(why)) => {
+                tracing::debug!(worker = %worker.url, "KV events: {why}")
+            }
             Ok(()) => {}
         }
         tokio::time::sleep(backoff).await;
@@ -244,6 +279,39 @@ pub async fn follow(exact: Arc<ExactRouting>, worker: Arc<Worker>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn snapshot(block_size: usize, hash_check: u64) -> KvStreamEvent {
+        KvStreamEvent::Snapshot {
+            instance: "i".into(),
+            model: "m".into(),
+            block_size,
+            capacity: 8,
+            hash_check,
+            seq: 4,
+            hashes: vec![1, 2],
+        }
+    }
+
+    #[test]
+    fn workers_whose_blocks_do_not_compare_are_not_indexed() {
+        let exact = ExactRouting::new(Arc::new(KvIndex::new()), None);
+        let check = crate::scheduler::hash_check();
+        assert!(exact.apply(0, snapshot(16, check)).is_ok());
+        let other_hash = exact.apply(1, snapshot(16, check ^ 1));
+        assert!(matches!(other_hash, Err(FollowError::Incompatible(_))));
+        let other_size = exact.apply(2, snapshot(8, check));
+        assert!(matches!(other_size, Err(FollowError::Incompatible(_))));
+        let gap = exact.apply(
+            0,
+            KvStreamEvent::Stored {
+                seq: 9,
+                hashes: vec![3],
+            },
+        );
+        assert!(matches!(gap, Err(FollowError::Gap(_))));
+        let held: Vec<usize> = exact.index.workers().iter().map(|w| w.blocks).collect();
+        assert_eq!(held, [2], "only worker 0 is indexed");
+    }
 
     #[test]
     fn events_are_split_whatever_the_chunks() {

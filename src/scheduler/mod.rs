@@ -27,7 +27,9 @@ mod published;
 use std::collections::HashMap;
 use std::time::Instant;
 
-pub use block_pool::{chain_hash, BlockPool, Blocks, OutOfBlocks, PrefixChange, PrefixHash};
+pub use block_pool::{
+    chain_hash, hash_check, BlockPool, Blocks, OutOfBlocks, PrefixChange, PrefixHash,
+};
 pub use executor::{Admission, Decision, DeviceQueue, StepAsk};
 pub use launch::{DelayedBatching, LaunchPolicy, ReadyQueue};
 pub use lockstep::LockStep;

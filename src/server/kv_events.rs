@@ -34,6 +34,10 @@ pub enum KvStreamEvent {
         /// Blocks the cache holds at most (0: not known, a remote model's).
         #[serde(default)]
         capacity: usize,
+        /// The hash of a fixed block: a subscriber whose own differs hashes blocks otherwise
+        /// and cannot look its requests up in these hashes.
+        #[serde(default)]
+        hash_check: u64,
         seq: u64,
         hashes: Vec<PrefixHash>,
     },
@@ -128,6 +132,7 @@ impl Follower {
                     model: self.model.clone(),
                     block_size: self.block_size,
                     capacity: self.capacity,
+                    hash_check: crate::scheduler::hash_check(),
                     seq,
                     hashes,
                 };
