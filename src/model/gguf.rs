@@ -66,6 +66,14 @@ impl GgufFile {
                     info.shape.dims()
                 )));
             };
+            // A tensor of no elements is never a model's, and its empty data would reach the
+            // reader as a misaligned slice of the element type.
+            if elems == 0 {
+                return Err(self.format_error(format!(
+                    "tensor '{name}' has dimensions {:?}: no elements",
+                    info.shape.dims()
+                )));
+            }
             if elems % dtype.block_size() != 0 {
                 return Err(self.format_error(format!(
                     "tensor '{name}' has {elems} elements, not a multiple of its {dtype:?} block size"
