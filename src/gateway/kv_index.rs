@@ -65,6 +65,15 @@ impl Holders {
     }
 }
 
+/// Takes `slot` out of `hash`'s holders, dropping the entry when no worker is left.
+fn unset(holders: &mut HashMap<PrefixHash, Holders>, hash: PrefixHash, slot: usize) {
+    if let Some(h) = holders.get_mut(&hash) {
+        if h.clear(slot) {
+            holders.remove(&hash);
+        }
+    }
+}
+
 /// What the index holds for one worker.
 #[derive(Debug, Default)]
 struct Held {
@@ -125,11 +134,7 @@ impl Inner {
         let held = self.held(worker);
         if held.hashes.remove(&hash) {
             let slot = held.slot;
-            if let Some(h) = self.holders.get_mut(&hash) {
-                if h.clear(slot) {
-                    self.holders.remove(&hash);
-                }
-            }
+            unset(&mut self.holders, hash, slot);
         }
     }
 
@@ -177,11 +182,7 @@ impl Inner {
         };
         let slot = held.slot;
         for hash in std::mem::take(&mut held.hashes) {
-            if let Some(h) = self.holders.get_mut(&hash) {
-                if h.clear(slot) {
-                    self.holders.remove(&hash);
-                }
-            }
+            unset(&mut self.holders, hash, slot);
         }
     }
 }
@@ -346,11 +347,7 @@ impl KvIndex {
             }
             for key in gone {
                 inner.pending.remove(&key);
-                if let Some(holders) = inner.pending_holders.get_mut(&key.1) {
-                    if holders.clear(slot) {
-                        inner.pending_holders.remove(&key.1);
-                    }
-                }
+                unset(&mut inner.pending_holders, key.1, slot);
             }
         }
     }
@@ -417,11 +414,7 @@ impl KvIndex {
             if *count == 0 {
                 inner.pending.remove(&(slot, h));
                 inner.pending_blocks[slot] -= 1;
-                if let Some(holders) = inner.pending_holders.get_mut(&h) {
-                    if holders.clear(slot) {
-                        inner.pending_holders.remove(&h);
-                    }
-                }
+                unset(&mut inner.pending_holders, h, slot);
             }
         }
     }

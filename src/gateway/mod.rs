@@ -104,12 +104,9 @@ impl GatewayState {
     /// Adds a worker (see [`WorkerSet::add`]) and, in exact mode, starts following its
     /// KV-cache events; must run inside the gateway's runtime.
     pub fn add_worker(&self, url: &str, healthy: bool) -> Arc<workers::Worker> {
-        let known = self.workers.all().len();
-        let worker = self.workers.add(url, healthy);
-        if let Some(exact) = &self.exact {
-            if self.workers.all().len() > known {
-                actix_web::rt::spawn(kv_follow::follow(exact.clone(), worker.clone()));
-            }
+        let (worker, new) = self.workers.insert(url, healthy);
+        if let Some(exact) = self.exact.as_ref().filter(|_| new) {
+            actix_web::rt::spawn(kv_follow::follow(exact.clone(), worker.clone()));
         }
         worker
     }

@@ -232,15 +232,20 @@ impl WorkerSet {
     /// Adds a worker (healthy until checks say otherwise when `healthy`); an URL already
     /// present is returned as it is.
     pub fn add(&self, url: &str, healthy: bool) -> Arc<Worker> {
+        self.insert(url, healthy).0
+    }
+
+    /// [`WorkerSet::add`], and whether the worker is new.
+    pub fn insert(&self, url: &str, healthy: bool) -> (Arc<Worker>, bool) {
         let url = url.trim_end_matches('/').to_string();
         let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
         if let Some(w) = workers.iter().find(|w| w.url == url) {
-            return w.clone();
+            return (w.clone(), false);
         }
         let id = self.next_id.fetch_add(1, Ordering::AcqRel);
         let worker = Arc::new(Worker::new(id, url, healthy));
         workers.push(worker.clone());
-        worker
+        (worker, true)
     }
 
     pub fn remove(&self, url: &str) -> Option<Arc<Worker>> {

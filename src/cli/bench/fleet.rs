@@ -140,6 +140,9 @@ impl FleetArgs {
     }
 }
 
+/// One number of a simulated run.
+type Metric = fn(&FleetResult) -> f64;
+
 fn table(trace: &str, servers: usize, rows: &[FleetResult]) -> String {
     let base = rows
         .iter()
@@ -216,7 +219,7 @@ pub fn run(
         let mut traces: Vec<&String> = all.iter().map(|a| &a.0).collect();
         traces.dedup();
         for t in traces {
-            let series = |metric: fn(&FleetResult) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
+            let series = |metric: Metric| -> Vec<(String, Vec<(f64, f64)>)> {
                 (args.fleet_policies.iter())
                     .map(|p| {
                         let points = (all.iter().filter(|a| &a.0 == t))
@@ -230,25 +233,21 @@ pub fn run(
                     })
                     .collect()
             };
-            let title = |what: &str| format!("{what}, {t} trace");
-            std::fs::write(
-                dir.join(format!("fleet-{t}-throughput.svg")),
-                chart(
-                    &title("Output throughput"),
+            let charts: [(&str, &str, &str, Metric); 2] = [
+                ("throughput", "Output throughput", "output tokens/s", |r| {
+                    r.throughput
+                }),
+                ("ttft-p90", "TTFT p90", "seconds", |r| r.ttft_p90),
+            ];
+            for (file, what, unit, metric) in charts {
+                let svg = chart(
+                    &format!("{what}, {t} trace"),
                     "servers",
-                    "output tokens/s",
-                    &series(|r| r.throughput),
-                ),
-            )?;
-            std::fs::write(
-                dir.join(format!("fleet-{t}-ttft-p90.svg")),
-                chart(
-                    &title("TTFT p90"),
-                    "servers",
-                    "seconds",
-                    &series(|r| r.ttft_p90),
-                ),
-            )?;
+                    unit,
+                    &series(metric),
+                );
+                std::fs::write(dir.join(format!("fleet-{t}-{file}.svg")), svg)?;
+            }
         }
     }
     Ok(())

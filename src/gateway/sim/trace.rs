@@ -33,9 +33,14 @@ pub struct Trace {
     pub requests: Vec<TraceRequest>,
 }
 
+/// Full blocks as routing text: one word per block hash.
+fn block_text(blocks: &[PrefixHash]) -> String {
+    blocks.iter().map(|h| format!("{h:016x} ")).collect()
+}
+
 fn request(arrival: f64, tokens: &[u32], output: usize, block_size: usize) -> TraceRequest {
     let blocks = block_hashes(tokens, block_size);
-    let mut text: String = blocks.iter().map(|h| format!("{h:016x} ")).collect();
+    let mut text = block_text(&blocks);
     for t in &tokens[blocks.len() * block_size..] {
         text.push_str(&format!("{t} "));
     }
@@ -176,7 +181,7 @@ pub fn mooncake(path: &Path, block_size: usize, time_scale: f64) -> anyhow::Resu
                 h
             })
             .collect();
-        let text: String = blocks.iter().map(|h| format!("{h:016x} ")).collect();
+        let text = block_text(&blocks);
         requests.push(TraceRequest {
             arrival: r.timestamp / 1000.0 * time_scale,
             prompt_tokens: r.input_length.max(1),
