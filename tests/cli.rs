@@ -145,15 +145,25 @@ fn bench_model_prints_a_table_with_its_header_and_breakdown() {
     ] {
         assert!(has(part), "{part} in {stdout}");
     }
-    let projections = stdout
+    // The prefill's line and the decode step's, each followed by its projections' line.
+    for pass in ["prefill:", "decode step:"] {
+        assert!(has(pass), "{pass} in {stdout}");
+    }
+    let projections: Vec<&str> = stdout
         .lines()
-        .find(|l| l.contains("the layers' matmuls:"))
-        .unwrap_or_else(|| panic!("no projections line in {stdout}"));
-    for name in ["q/k/v", "o", "gate/up", "down"] {
-        assert!(
-            projections.contains(&format!(" {name} ")),
-            "{name} in {projections}"
-        );
+        .filter(|l| l.contains("the layers' matmuls:"))
+        .collect();
+    assert_eq!(projections.len(), 2, "{stdout}");
+    for line in projections {
+        for name in ["q/k/v", "o", "gate/up", "down"] {
+            assert!(line.contains(&format!(" {name} ")), "{name} in {line}");
+        }
+    }
+    // The prefill's multiply-adds are read against the inner product's peak where the
+    // kernels have a SIMD path.
+    if cfg!(target_arch = "x86_64") && std::arch::is_x86_feature_detected!("avx2") {
+        assert!(has("peak of the kernels' inner product"), "{stdout}");
+        assert!(has("% of peak)"), "{stdout}");
     }
 }
 
@@ -220,6 +230,32 @@ fn bench_model_prints_json_lines() {
                 projections[key]["gb_s"].as_f64().unwrap(),
             );
             assert!(share > 0.0 && gb_s > 0.0, "{key} in {row}");
+            shares += share;
+        }
+        assert!(
+            close(shares, part("matmul") - part("lm_head")),
+            "{shares} in {row}"
+        );
+        // The prefill's time split the same way, its matmuls' rate in multiply-adds a second.
+        let prefill = &row["prefill_breakdown"];
+        let part = |k: &str| prefill[k].as_f64().unwrap();
+        let whole: f64 = parts.iter().map(|&k| part(k)).sum();
+        assert!((whole - 1.0).abs() < 1e-9, "{row}");
+        assert!(
+            part("matmul") > 0.0 && part("layer_macs_per_s") > 0.0,
+            "{row}"
+        );
+        if cfg!(target_arch = "x86_64") && std::arch::is_x86_feature_detected!("avx2") {
+            assert!(part("peak_macs_per_s") > 0.0, "{row}");
+        }
+        let mut shares = 0.0;
+        for key in ["qkv", "attn_out", "gate_up", "down"] {
+            let each = &prefill["projections"][key];
+            let (share, rate) = (
+                each["share"].as_f64().unwrap(),
+                each["macs_per_s"].as_f64().unwrap(),
+            );
+            assert!(share > 0.0 && rate > 0.0, "{key} in {row}");
             shares += share;
         }
         assert!(

@@ -39,6 +39,7 @@ pub use avx2::{Avx2Dot, Avx512VnniDot, AvxVnniDot, ByteDot};
 mod interleaved;
 mod isa;
 mod kquants;
+pub mod peak;
 pub mod registry;
 use acts::quantize_rows;
 pub use acts::{quantize_i8, quantize_i8_scalar, quantize_row, ActBlock, ActFormat};

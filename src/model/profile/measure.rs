@@ -36,6 +36,8 @@ pub struct Throughput {
     pub step_secs: Vec<f64>,
     /// Where the decode steps' time went, when [`set_breakdown`](crate::model::timing::set_breakdown) is on.
     pub breakdown: Option<Breakdown>,
+    /// Where the prefill's time went, likewise.
+    pub prefill_breakdown: Option<Breakdown>,
     /// On a GPU with the breakdown on: device time per kernel of the prefill, and of the
     /// timed decode steps.
     pub prefill_kernels: Vec<KernelTime>,
@@ -90,11 +92,12 @@ pub fn measure_with(
         )
         .map(|out| out.logits)
     };
+    take_breakdown();
     let started = Instant::now();
     let mut logits = step_all(&mut seqs)?;
     let prefill = started.elapsed().as_secs_f64();
     let mut step_secs = Vec::with_capacity(work.decode_steps);
-    take_breakdown();
+    let prefill_breakdown = take_breakdown();
     let prefill_kernels = model.take_kernel_times()?;
     for s in 0..work.decode_steps {
         let started = Instant::now();
@@ -117,6 +120,7 @@ pub fn measure_with(
         decode_tok_s: (batch * work.decode_steps) as f64 / decode,
         step_secs,
         breakdown,
+        prefill_breakdown,
         prefill_kernels,
         decode_kernels,
     })

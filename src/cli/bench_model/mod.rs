@@ -11,10 +11,14 @@ use clap::Args;
 
 use tokenrouter::kernels::large_buf::{self, LargeBuf};
 use tokenrouter::kernels::parallel::for_each_range;
+use tokenrouter::kernels::qmatmul::{peak, Isa};
 use tokenrouter::model::profile::{measure, measure_with, warm_up, Throughput, Workload};
 use tokenrouter::model::random::{self, RandomSource};
-use tokenrouter::model::timing::{set_breakdown, Breakdown, KernelTime, PROJECTIONS};
+use tokenrouter::model::timing::{set_breakdown, KernelTime, PROJECTIONS};
 use tokenrouter::model::{KvDtype, MatmulBackend, Model};
+
+mod shares;
+use shares::{projection_macs, DecodeShares, PrefillShares};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -50,7 +54,9 @@ pub struct BenchArgs {
     /// among them), attention, the residual adds and norms, rotary and the K/V write, SiLU
     /// (where it runs after the gate/up matmul rather than in it), and everything else; the
     /// rate the matmuls stream weights (all of them, the layers', the LM head's); and each of
-    /// the layers' projections (q/k/v, o, gate/up, down): its share and its rate.
+    /// the layers' projections (q/k/v, o, gate/up, down): its share and its rate. The same
+    /// for the prefill, whose rates are multiply-adds a second against the peak of the
+    /// kernels' inner product, measured first on data held in registers.
     #[arg(long)]
     breakdown: bool,
 }
@@ -114,6 +120,15 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
         Some(_) => "cuda",
         None => backend.kernels(),
     };
+    let scale = args.breakdown.then(|| ComputeScale {
+        macs: projection_macs(config),
+        // On a GPU the prefill's kernels are listed with their device time instead.
+        peak: probe
+            .device_rate
+            .is_none()
+            .then(|| peak::int8_macs_per_s(Isa::best(), 0.5))
+            .flatten(),
+    });
     if !args.json {
         // The middle step's bytes stand for the row's.
         let middle = bytes.at(args.decode_steps / 2);
@@ -134,6 +149,14 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
         println!(
             "(each decode step is paired with a plain read of a batch-1 step's bytes just after it; read GB/s, roofline and % roofline are the medians over a row's steps)"
         );
+        if let Some(peak) = scale.as_ref().and_then(|s| s.peak) {
+            println!(
+                "peak of the kernels' inner product ({} 8-bit multiply-adds on registers, {} threads): {:.1} G/s",
+                Isa::best().name(),
+                tokenrouter::kernels::parallel::current_threads(),
+                peak / 1e9
+            );
+        }
         print!(
             "{:>6} {:>14} {:>14} {:>10} {:>10} {:>10}",
             "batch", "prefill tok/s", "decode tok/s", "read GB/s", "roofline", "% roofline"
@@ -153,7 +176,7 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
         kv_dtype: args.kv_dtype,
     };
     for &batch in &args.batch {
-        let row = Row::measure(model, batch, &workload, &probe, &bytes, args.breakdown)?;
+        let row = Row::measure(model, batch, &workload, &probe, &bytes, scale.as_ref())?;
         let base = match &baseline {
             Some(b) => Some(measure(b, batch, &workload)?),
             None => None,
@@ -199,7 +222,15 @@ struct Row {
     read: f64,
     roofline: f64,
     fraction: f64,
-    shares: Option<Shares>,
+    shares: Option<DecodeShares>,
+    prefill_shares: Option<PrefillShares>,
+}
+
+/// What `--breakdown` reads the prefill against: each projection's multiply-adds a token
+/// ([`projection_macs`]) and the kernels' inner product's peak on this CPU.
+struct ComputeScale {
+    macs: [f64; PROJECTIONS.len()],
+    peak: Option<f64>,
 }
 
 impl Row {
@@ -209,10 +240,10 @@ impl Row {
         workload: &Workload,
         probe: &ReadProbe,
         bytes: &StepBytes,
-        breakdown: bool,
+        breakdown: Option<&ComputeScale>,
     ) -> anyhow::Result<Self> {
         let mut rates = Vec::with_capacity(workload.decode_steps);
-        set_breakdown(breakdown);
+        set_breakdown(breakdown.is_some());
         let throughput = measure_with(model, batch, workload, &mut |s| {
             rates.push(probe.read_rate(bytes.at(s) as usize))
         });
@@ -232,12 +263,21 @@ impl Row {
         );
         let shares = throughput
             .breakdown
-            .map(|parts| Shares::new(&parts, &throughput.step_secs, bytes));
+            .map(|parts| DecodeShares::new(&parts, &throughput.step_secs, bytes));
+        let prefill_shares = throughput
+            .prefill_breakdown
+            .zip(breakdown)
+            .map(|(parts, scale)| {
+                let t = &throughput;
+                let secs = t.batch_tokens as f64 / t.prefill_tok_s;
+                PrefillShares::new(&parts, secs, t.batch_tokens, &scale.macs, scale.peak)
+            });
         Ok(Self {
             read: median(rates),
             roofline: median(rooflines),
             fraction,
             shares,
+            prefill_shares,
             throughput,
         })
     }
@@ -255,25 +295,10 @@ impl Row {
             "kernels": kernels,
         });
         if let Some(s) = &self.shares {
-            obj["breakdown"] = serde_json::json!({
-                "matmul": s.matmul,
-                "lm_head": s.lm_head,
-                "attention": s.attention,
-                "add_norm": s.add_norm,
-                "rotary_kv_write": s.rotary_kv_write,
-                "activation": s.activation,
-                "other": s.other,
-                "matmul_gb_s": s.matmul_gb_s,
-                "layer_matmul_gb_s": s.layer_matmul_gb_s,
-                "lm_head_gb_s": s.lm_head_gb_s,
-                "projections": PROJECTION_KEYS
-                    .iter()
-                    .zip(&s.projections)
-                    .map(|(key, (share, gb_s))| {
-                        (key.to_string(), serde_json::json!({"share": share, "gb_s": gb_s}))
-                    })
-                    .collect::<serde_json::Map<_, _>>(),
-            });
+            obj["breakdown"] = s.json();
+        }
+        if let Some(s) = &self.prefill_shares {
+            obj["prefill_breakdown"] = s.json();
         }
         if !t.decode_kernels.is_empty() {
             let list = |times: &[KernelTime]| {
@@ -310,29 +335,11 @@ impl Row {
             );
         }
         println!();
+        if let Some(s) = &self.prefill_shares {
+            s.print();
+        }
         if let Some(s) = &self.shares {
-            println!(
-                "{:>6} decode step: matmuls {:.1} % (LM head {:.1} %), attention {:.1} %, adds and norms {:.1} %, rotary and K/V write {:.1} %, SiLU {:.1} %, other {:.1} %; the matmuls stream weights at {:.2} GB/s (the layers' {:.2}, the LM head's {:.2})",
-                "",
-                100.0 * s.matmul,
-                100.0 * s.lm_head,
-                100.0 * s.attention,
-                100.0 * s.add_norm,
-                100.0 * s.rotary_kv_write,
-                100.0 * s.activation,
-                100.0 * s.other,
-                s.matmul_gb_s,
-                s.layer_matmul_gb_s,
-                s.lm_head_gb_s,
-            );
-            let each: Vec<String> = PROJECTION_NAMES
-                .iter()
-                .zip(&s.projections)
-                .map(|(name, (share, gb_s))| {
-                    format!("{name} {:.1} % at {gb_s:.2} GB/s", 100.0 * share)
-                })
-                .collect();
-            println!("{:>6} the layers' matmuls: {}", "", each.join(", "));
+            s.print();
         }
         let prefill_secs = t.batch_tokens as f64 / t.prefill_tok_s;
         print_kernels("prefill", &t.prefill_kernels, prefill_secs, 1);
@@ -370,62 +377,6 @@ fn print_kernels(what: &str, times: &[KernelTime], wall: f64, steps: usize) {
         launches / steps.max(1),
         top.join(", ")
     );
-}
-
-/// [`PROJECTIONS`] as the table names them, and as the JSON lines' keys.
-const PROJECTION_NAMES: [&str; PROJECTIONS.len()] = ["q/k/v", "o", "gate/up", "down"];
-const PROJECTION_KEYS: [&str; PROJECTIONS.len()] = ["qkv", "attn_out", "gate_up", "down"];
-
-/// A [`Breakdown`] as shares of the decode steps' time, and the matmuls' weight rate.
-struct Shares {
-    matmul: f64,
-    lm_head: f64,
-    attention: f64,
-    add_norm: f64,
-    rotary_kv_write: f64,
-    activation: f64,
-    /// Everything else: the embedding lookup, the rotary angles, `argmax` over the logits,
-    /// the next matmul's prefetch hints, the gaps between parts.
-    other: f64,
-    /// GB/s of weights through all the matmuls, the layers' alone and the LM head's alone.
-    matmul_gb_s: f64,
-    layer_matmul_gb_s: f64,
-    lm_head_gb_s: f64,
-    /// Each of the layers' projections ([`PROJECTIONS`]): its share of the time and the GB/s
-    /// of weights through it.
-    projections: [(f64, f64); PROJECTIONS.len()],
-}
-
-impl Shares {
-    /// `bytes`: what every step's matmuls read.
-    fn new(parts: &Breakdown, step_secs: &[f64], bytes: &StepBytes) -> Self {
-        let total: f64 = step_secs.iter().sum();
-        let steps = step_secs.len() as f64;
-        let gb_s = |per_step: f64, secs: f64| per_step * steps / secs / 1e9;
-        Self {
-            matmul: parts.matmul / total,
-            lm_head: parts.lm_head / total,
-            attention: parts.attention / total,
-            add_norm: parts.add_norm / total,
-            rotary_kv_write: parts.rotary_kv_write / total,
-            activation: parts.activation / total,
-            other: (total
-                - parts.matmul
-                - parts.attention
-                - parts.add_norm
-                - parts.rotary_kv_write
-                - parts.activation)
-                .max(0.0)
-                / total,
-            matmul_gb_s: gb_s(bytes.weights, parts.matmul),
-            layer_matmul_gb_s: gb_s(bytes.weights - bytes.lm_head, parts.matmul - parts.lm_head),
-            lm_head_gb_s: gb_s(bytes.lm_head, parts.lm_head),
-            projections: std::array::from_fn(|p| {
-                let secs = parts.projections[p];
-                (secs / total, gb_s(bytes.projections[p], secs))
-            }),
-        }
-    }
 }
 
 /// A buffer far larger than the caches, for timing plain reads of memory; placed as the
