@@ -267,11 +267,7 @@ impl Row {
         let prefill_shares = throughput
             .prefill_breakdown
             .zip(breakdown)
-            .map(|(parts, scale)| {
-                let t = &throughput;
-                let secs = t.batch_tokens as f64 / t.prefill_tok_s;
-                PrefillShares::new(&parts, secs, t.batch_tokens, &scale.macs, scale.peak)
-            });
+            .map(|(parts, scale)| PrefillShares::new(&parts, &throughput, scale));
         Ok(Self {
             read: median(rates),
             roofline: median(rooflines),
@@ -341,8 +337,7 @@ impl Row {
         if let Some(s) = &self.shares {
             s.print();
         }
-        let prefill_secs = t.batch_tokens as f64 / t.prefill_tok_s;
-        print_kernels("prefill", &t.prefill_kernels, prefill_secs, 1);
+        print_kernels("prefill", &t.prefill_kernels, t.prefill_secs(), 1);
         let decode_secs: f64 = t.step_secs.iter().sum();
         print_kernels("decode", &t.decode_kernels, decode_secs, t.step_secs.len());
     }

@@ -8,7 +8,9 @@ use serde_json::{json, Map, Value};
 use tokenrouter::model::timing::{Breakdown, PROJECTIONS};
 use tokenrouter::model::ModelConfig;
 
-use super::StepBytes;
+use tokenrouter::model::profile::Throughput;
+
+use super::{ComputeScale, StepBytes};
 
 /// [`PROJECTIONS`] as the table names them, and as the JSON lines' keys.
 const PROJECTION_NAMES: [&str; PROJECTIONS.len()] = ["q/k/v", "o", "gate/up", "down"];
@@ -177,16 +179,11 @@ pub(super) struct PrefillShares {
 }
 
 impl PrefillShares {
-    /// `tokens` prefilled in `secs`; `macs`: [`projection_macs`]; `peak`: the inner
-    /// product's multiply-adds a second, where measured.
-    pub(super) fn new(
-        parts: &Breakdown,
-        secs: f64,
-        tokens: usize,
-        macs: &[f64; PROJECTIONS.len()],
-        peak: Option<f64>,
-    ) -> Self {
-        let tokens = tokens as f64;
+    /// `parts`: where the prefill of `throughput` went; `scale`: each projection's
+    /// multiply-adds a token and the inner product's peak.
+    pub(super) fn new(parts: &Breakdown, throughput: &Throughput, scale: &ComputeScale) -> Self {
+        let (secs, macs) = (throughput.prefill_secs(), &scale.macs);
+        let tokens = throughput.batch_tokens as f64;
         let rate = |macs: f64, secs: f64| macs * tokens / secs;
         Self {
             parts: PartShares::new(parts, secs),
@@ -195,7 +192,7 @@ impl PrefillShares {
                 let secs_p = parts.projections[p];
                 (secs_p / secs, rate(macs[p], secs_p))
             }),
-            peak,
+            peak: scale.peak,
         }
     }
 

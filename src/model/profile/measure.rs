@@ -44,6 +44,14 @@ pub struct Throughput {
     pub decode_kernels: Vec<KernelTime>,
 }
 
+#[cfg_attr(not(feature = "profiling"), allow(dead_code))]
+impl Throughput {
+    /// Seconds the prefill took.
+    pub fn prefill_secs(&self) -> f64 {
+        self.batch_tokens as f64 / self.prefill_tok_s
+    }
+}
+
 /// Prefill and decode throughput of `batch` sequences decoding together.
 pub fn measure(model: &Model, batch: usize, work: &Workload) -> Result<Throughput> {
     measure_with(model, batch, work, &mut |_| {})
