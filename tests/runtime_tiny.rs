@@ -61,6 +61,25 @@ fn routed_greedy_output_equals_the_full_recompute_oracle_in_every_mode() {
                     "no thresholds solved: {stats:?}"
                 );
             }
+            // Every model computes the prompt of each request it serves (less the prefix
+            // cache's hits) without sampling from any of it but the last token.
+            for (m, stat) in stats.iter().enumerate() {
+                let prompts: u64 = outcomes
+                    .iter()
+                    .filter_map(|o| match o.terminals.as_slice() {
+                        [RequestEvent::Finished(s)] if m == 0 || s.tokens_per_model[m] > 0 => {
+                            Some(s.prompt_tokens as u64 - 1)
+                        }
+                        _ => None,
+                    })
+                    .sum();
+                assert!(
+                    stat.extend_tokens + stat.prefix_hit_tokens >= prompts && prompts > 0,
+                    "{rule:?}, mode {mode}, model {m}: {} tokens extended, {} cached, prompts {prompts}",
+                    stat.extend_tokens,
+                    stat.prefix_hit_tokens
+                );
+            }
             for (i, (got, want)) in outcomes.iter().zip(&expected).enumerate() {
                 assert_eq!(
                     got.tokens, want.tokens,

@@ -75,6 +75,9 @@ pub struct WorkerStats {
     pub pending: usize,
     pub steps: u64,
     pub batched_requests: u64,
+    /// Tokens computed without sampling from them: prompt prefills and catch-up extends, all
+    /// but the last (sampled) token of each.
+    pub extend_tokens: u64,
     pub tokens_committed: u64,
     pub handoffs_out: u64,
     /// Aborts received: one per request that ended after its submission, whoever ended it.

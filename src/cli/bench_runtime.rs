@@ -4,7 +4,7 @@
 //! ratio to `sync` measured in the same run. Greedy decoding with end-of-sequence ignored, so
 //! every mode generates the same tokens and the comparison is of scheduling alone.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -85,11 +85,11 @@ pub fn run(args: BenchRuntimeArgs, backend: MatmulBackend) -> anyhow::Result<()>
         config.scheduler.mode = mode;
         Runtime::run(&config, models.clone(), async |runtime| {
             // One short request first, so page faults and lazy set-up are not timed.
-            run_level(runtime, 1, 1, 4).await?;
+            run_level(runtime, 1, 1, 4, false, None).await?;
             for &c in &args.concurrency {
                 let n = args.requests.unwrap_or(c).max(c);
                 let started = Instant::now();
-                let summaries = run_level(runtime, c, n, args.max_tokens).await?;
+                let summaries = run_level(runtime, c, n, args.max_tokens, false, None).await?;
                 let m = measure(mode_name, c, &summaries, started.elapsed(), names.len());
                 report_progress(&m, &names);
                 results.push(m);
@@ -101,24 +101,67 @@ pub fn run(args: BenchRuntimeArgs, backend: MatmulBackend) -> anyhow::Result<()>
     Ok(())
 }
 
-/// `n` requests from `concurrency` clients, each sending its next request when one ends.
+/// When a closed-loop run submitted each request and received each piece of output.
+#[derive(Default)]
+pub(super) struct Timeline {
+    submitted: RefCell<Vec<Instant>>,
+    tokens: RefCell<Vec<(Instant, usize)>>,
+}
+
+impl Timeline {
+    /// Output tokens/s while every client had a request in flight: from the first request's
+    /// end (the `concurrency + 1`-th submission) to the last submission. `None` when the run
+    /// had no such window (fewer than `concurrency + 2` requests).
+    pub(super) fn steady_rate(&self, concurrency: usize) -> Option<f64> {
+        let submitted = self.submitted.borrow();
+        let (&start, &end) = (submitted.get(concurrency)?, submitted.last()?);
+        let secs = end.saturating_duration_since(start).as_secs_f64();
+        if secs <= 0.0 {
+            return None;
+        }
+        let tokens: usize = self
+            .tokens
+            .borrow()
+            .iter()
+            .filter(|(t, _)| *t > start && *t <= end)
+            .map(|(_, n)| n)
+            .sum();
+        Some(tokens as f64 / secs)
+    }
+}
+
+/// `n` requests from `concurrency` clients, each sending its next request when one ends;
+/// recorded in `timeline` when given. With `distinct`, every prompt is numbered, so that
+/// beyond the chat template's common head no request finds another's tokens in the prefix
+/// cache (greedy decoding of a repeated prompt would repeat its output too).
 pub(super) async fn run_level(
     runtime: &Runtime,
     concurrency: usize,
     n: usize,
     max_tokens: usize,
+    distinct: bool,
+    timeline: Option<Rc<Timeline>>,
 ) -> anyhow::Result<Vec<Summary>> {
     let next = Rc::new(Cell::new(0usize));
     let clients: Vec<_> = (0..concurrency)
         .map(|_| {
             let (next, shared) = (next.clone(), runtime.shared().clone());
+            let timeline = timeline.clone();
             actix::spawn(async move {
                 let mut done = Vec::new();
                 while next.get() < n {
                     let i = next.get();
                     next.set(i + 1);
-                    let handle = shared.submit(request(i, max_tokens));
-                    match handle.finish(|_, _| {}).await {
+                    let handle = shared.submit(request(i, max_tokens, distinct));
+                    let on_text = |_: &str, tokens: &[(u32, usize)]| {
+                        if let Some(t) = &timeline {
+                            t.tokens.borrow_mut().push((Instant::now(), tokens.len()));
+                        }
+                    };
+                    if let Some(t) = &timeline {
+                        t.submitted.borrow_mut().push(Instant::now());
+                    }
+                    match handle.finish(on_text).await {
                         Ok(Some(s)) => done.push(s),
                         Ok(None) => anyhow::bail!("request {i} was cancelled"),
                         Err(e) => anyhow::bail!("request {i} failed: {e}"),
@@ -135,8 +178,14 @@ pub(super) async fn run_level(
     Ok(summaries)
 }
 
-fn request(i: usize, max_tokens: usize) -> GenerateRequest {
-    let messages = vec![ChatMessage::new("user", PROMPTS[i % PROMPTS.len()])];
+fn request(i: usize, max_tokens: usize, distinct: bool) -> GenerateRequest {
+    let prompt = PROMPTS[i % PROMPTS.len()];
+    let text = if distinct {
+        format!("Task {}: {prompt}", i + 1)
+    } else {
+        prompt.to_string()
+    };
+    let messages = vec![ChatMessage::new("user", &text)];
     let mut request =
         GenerateRequest::new(Prompt::Chat(messages), SamplingParams::greedy(), max_tokens);
     request.ignore_eos = true;
@@ -225,5 +274,26 @@ fn print_results(results: &[Measured], names: &[String], json: bool) {
                 m.mean_ttft.as_secs_f64() * 1e3
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_steady_rate_counts_the_tokens_between_the_first_end_and_the_last_start() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let timeline = Timeline::default();
+        // Two clients, four requests: the third starts when the first ends (1 s), the fourth
+        // at 2.5 s.
+        *timeline.submitted.borrow_mut() = vec![at(0), at(0), at(1000), at(2500)];
+        *timeline.tokens.borrow_mut() =
+            vec![(at(500), 4), (at(1500), 6), (at(2500), 3), (at(2600), 9)];
+        let rate = timeline.steady_rate(2).unwrap();
+        assert!((rate - 9.0 / 1.5).abs() < 1e-9, "{rate}");
+        // No request started after the first end: no window.
+        assert_eq!(timeline.steady_rate(4), None);
     }
 }

@@ -1,24 +1,26 @@
 //! `tokenrouter tune`: the throughput model's thresholds for delayed batching. Profiles each
-//! configured model's decode-step latency per batch size on this machine (or reads a saved
-//! profile), takes the routing probabilities from flags or measures them with a short routed
-//! run, and prints the predicted throughput of every threshold vector and the best one per
-//! concurrency. With `--validate K` it also runs the best K vectors (and eager) through the
-//! in-process runtime and prints, and plots, measured beside predicted throughput.
+//! configured model's decode-step latency per batch size and extend cost per token on this
+//! machine (or reads a saved profile); measures the routing probabilities and the tokens each
+//! model extends per request (prompt prefills less prefix-cache hits, and catch-ups) with a
+//! routed run of the requests the validation runs (flags can set the probabilities); and prints
+//! the predicted throughput of every threshold vector and the best one per concurrency. With
+//! `--validate K` it also runs the best K vectors (and eager) through the in-process runtime and
+//! prints, and plots, the measured steady-state throughput beside the predicted.
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::rc::Rc;
 
 use clap::Args;
 use serde::{Deserialize, Serialize};
-use tokenrouter::actors::{load_models, GenerateRequest, Prompt, Runtime};
+use tokenrouter::actors::{load_models, Runtime};
 use tokenrouter::config::{Config, CoreSplit, Role, SchedulingMode, ThresholdSource};
-use tokenrouter::model::{ChatMessage, LoadedModel, SamplingParams};
+use tokenrouter::model::LoadedModel;
 use tokenrouter::tuning::{optimize, Candidate, ChainInputs};
 
 use tokenrouter::model::profile::step_latencies;
 
 use super::bench::chart;
-use super::bench_runtime::run_level;
+use super::bench_runtime::{run_level, Timeline};
 
 #[derive(Args)]
 pub struct TuneArgs {
@@ -27,10 +29,10 @@ pub struct TuneArgs {
     /// Concurrency levels (N) to solve for.
     #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
     concurrency: Vec<usize>,
-    /// Probability that the SLM hands a token to the LLM (measured when absent).
+    /// Probability that the SLM hands a token to the LLM, instead of the measured one.
     #[arg(long)]
     p_up: Option<f64>,
-    /// Probability that the LLM hands back after a token (measured when absent).
+    /// Probability that the LLM hands back after a token, instead of the measured one.
     #[arg(long)]
     p_down: Option<f64>,
     /// Read step latencies from this profile instead of measuring them.
@@ -47,10 +49,11 @@ pub struct TuneArgs {
     #[arg(long)]
     separate_devices: bool,
     /// Also measure the best K predicted vectors and eager, B = (1, 1), at each concurrency:
-    /// the runtime in delayed mode, 2N requests from N clients.
+    /// the runtime in delayed mode, 3N requests from N clients, timed from the first
+    /// request's end to the last request's start (while all N are in flight).
     #[arg(long, default_value_t = 0)]
     validate: usize,
-    /// Output tokens per request of the validation runs.
+    /// Output tokens per request of the routing and validation runs.
     #[arg(long, default_value_t = 32)]
     validate_tokens: usize,
     /// Write the measured-vs-predicted plot of the validation runs here (SVG).
@@ -58,11 +61,29 @@ pub struct TuneArgs {
     plot: Option<PathBuf>,
 }
 
-/// Decode-step seconds per batch size (index 0: batch 1), per model.
+/// Decode-step seconds per batch size (index 0: batch 1), and extend seconds per token, per
+/// model.
 #[derive(Debug, Serialize, Deserialize)]
 struct Profile {
     models: Vec<String>,
     latency: Vec<Vec<f64>>,
+    /// Empty in profiles saved before it was measured: catch-ups then cost the decode slope.
+    #[serde(default)]
+    extend_token: Vec<f64>,
+}
+
+/// What the routed run measured.
+struct Routing {
+    p_up: f64,
+    p_down: f64,
+    /// Mean prompt tokens per request.
+    prompt_tokens: f64,
+    /// Per model (by index): mean prompt tokens computed at a request's first visit there
+    /// (the rest came from the prefix cache), the share of requests that visited, and the
+    /// tokens extended there per request (prompt prefills and catch-ups).
+    computed: Vec<f64>,
+    visit: Vec<f64>,
+    extends: Vec<f64>,
 }
 
 pub fn run(args: TuneArgs, backend: tokenrouter::model::MatmulBackend) -> anyhow::Result<()> {
@@ -88,14 +109,32 @@ pub fn run(args: TuneArgs, backend: tokenrouter::model::MatmulBackend) -> anyhow
     if let Some(path) = &args.save_profile {
         std::fs::write(path, serde_json::to_string_pretty(&profile)?)?;
     }
-    let (p_up, p_down) = match (args.p_up, args.p_down) {
-        (Some(u), Some(d)) => (u, d),
-        _ => measure_routing(&config, models.clone(), slm, llm)?,
-    };
+    let routing = measure_routing(
+        &config,
+        models.clone(),
+        [slm, llm],
+        max_n,
+        args.validate_tokens,
+    )?;
+    let (p_up, p_down) = (
+        args.p_up.unwrap_or(routing.p_up),
+        args.p_down.unwrap_or(routing.p_down),
+    );
     if !(0.0..=1.0).contains(&p_up) || !(0.0..=1.0).contains(&p_down) {
         anyhow::bail!("--p-up and --p-down are probabilities between 0 and 1");
     }
-    eprintln!("routing: P(slm→llm) = {p_up:.3}, P(llm→slm) = {p_down:.3}");
+    eprintln!(
+        "routing: P(slm→llm) = {p_up:.3}, P(llm→slm) = {p_down:.3}; {:.0} prompt tokens a request, {:.0} of them computed at the SLM and {:.0} at the LLM (not cached); {:.0}% of requests visit the LLM; tokens extended a request: SLM {:.1}, LLM {:.1}",
+        routing.prompt_tokens,
+        routing.computed[slm],
+        routing.computed[llm],
+        100.0 * routing.visit[llm],
+        routing.extends[slm],
+        routing.extends[llm],
+    );
+    // The measured extends belong to the measured routing: with probabilities from flags,
+    // the catch-ups are estimated from them and the prompts' prefills added.
+    let flagged = args.p_up.is_some() || args.p_down.is_some();
     let mut to_validate = Vec::new();
     for &n in &args.concurrency {
         let latency = [
@@ -103,11 +142,22 @@ pub fn run(args: TuneArgs, backend: tokenrouter::model::MatmulBackend) -> anyhow
             profile.latency[llm][..n.min(profile.latency[llm].len())].to_vec(),
         ];
         let mut inputs = ChainInputs::two_models(n, p_up, p_down, latency);
+        if profile.extend_token.len() == profile.latency.len() {
+            inputs.extend_s = vec![profile.extend_token[slm], profile.extend_token[llm]];
+        }
         let one_device = config.models[slm].device == config.models[llm].device
             && config.compute.split == CoreSplit::Shared;
         if one_device && !args.separate_devices {
             inputs.shared_compute = true;
-            inputs = inputs.with_catch_up();
+            let output = args.validate_tokens as f64;
+            inputs = if flagged {
+                let prompt = |i: usize| routing.visit[i] * routing.computed[i];
+                inputs
+                    .with_catch_up()
+                    .with_extends(&[prompt(slm), prompt(llm)], output)
+            } else {
+                inputs.with_extends(&[routing.extends[slm], routing.extends[llm]], output)
+            };
         }
         let (all, best) = optimize(&inputs);
         report(n, &all, best.as_deref(), args.json);
@@ -171,11 +221,13 @@ fn validate(
             }
             let measured = Runtime::run(&config, models.to_vec(), async |runtime| {
                 // One short request first, so lazy set-up is not timed.
-                run_level(runtime, 1, 1, 4).await?;
-                let started = Instant::now();
-                let done = run_level(runtime, *n, 2 * n, max_tokens).await?;
-                let tokens: usize = done.iter().map(|s| s.completion_tokens).sum();
-                anyhow::Ok(tokens as f64 / started.elapsed().as_secs_f64())
+                run_level(runtime, 1, 1, 4, false, None).await?;
+                let timeline = Rc::new(Timeline::default());
+                let run = Some(timeline.clone());
+                run_level(runtime, *n, 3 * n, max_tokens, true, run).await?;
+                timeline
+                    .steady_rate(*n)
+                    .ok_or_else(|| anyhow::anyhow!("N = {n}: the run had no steady window"))
             })??;
             eprintln!(
                 "N = {n}, B = {thresholds:?}: predicted {predicted:.2} tok/s, measured {measured:.2} tok/s"
@@ -276,53 +328,75 @@ fn profile_models(
     models: &[std::sync::Arc<LoadedModel>],
     max_n: usize,
 ) -> anyhow::Result<Profile> {
-    let mut latency = Vec::new();
+    let (mut latency, mut extend_token) = (Vec::new(), Vec::new());
     for (entry, lm) in config.models.iter().zip(models) {
         let steps = step_latencies(&lm.model, max_n, config.kv_cache.dtype)?;
-        let shown: Vec<String> = steps.iter().map(|s| format!("{:.0}", s * 1e3)).collect();
+        let shown: Vec<String> = steps
+            .decode
+            .iter()
+            .map(|s| format!("{:.0}", s * 1e3))
+            .collect();
         eprintln!(
-            "profile {}: ms per step at batch 1..={max_n}: {}",
+            "profile {}: ms per step at batch 1..={max_n}: {}; extend {:.2} ms a token",
             entry.name,
-            shown.join(" ")
+            shown.join(" "),
+            steps.extend_token * 1e3
         );
-        latency.push(steps);
+        latency.push(steps.decode);
+        extend_token.push(steps.extend_token);
     }
     Ok(Profile {
         models: config.models.iter().map(|m| m.name.clone()).collect(),
         latency,
+        extend_token,
     })
 }
 
-/// Handoff probabilities from a short routed run: per model, moves out per step sampled.
+/// Handoff probabilities, prompt length, prefix-cache hits, the share of requests that visit
+/// each model and the tokens they extend there, from a routed run (eager) of the requests the
+/// validation at the largest concurrency `n` runs: 3n of them from n clients.
 fn measure_routing(
     config: &Config,
     models: Vec<std::sync::Arc<LoadedModel>>,
-    slm: usize,
-    llm: usize,
-) -> anyhow::Result<(f64, f64)> {
+    [slm, llm]: [usize; 2],
+    n: usize,
+    max_tokens: usize,
+) -> anyhow::Result<Routing> {
     let mut config = config.clone();
     config.scheduler.mode = SchedulingMode::Eager;
-    let stats = Runtime::run(&config, models, async |runtime| {
-        let prompts = [
-            "Write a Python function that merges two sorted lists.",
-            "Explain recursion with an example in C.",
-        ];
-        for text in prompts {
-            let mut request = GenerateRequest::new(
-                Prompt::Chat(vec![ChatMessage::new("user", text)]),
-                SamplingParams::greedy(),
-                48,
-            );
-            request.ignore_eos = true;
-            if let Err(e) = runtime.submit(request).finish(|_, _| {}).await {
-                anyhow::bail!("measuring routing: {e}");
-            }
-        }
-        Ok(runtime.stats().await)
+    let (done, stats) = Runtime::run(&config, models, async |runtime| {
+        let done = run_level(runtime, n, 3 * n, max_tokens, true, None)
+            .await
+            .map_err(|e| anyhow::anyhow!("measuring routing: {e}"))?;
+        anyhow::Ok((done, runtime.stats().await))
     })??;
+    let requests = done.len().max(1) as f64;
+    let prompt_tokens = done.iter().map(|d| d.prompt_tokens as f64).sum::<f64>() / requests;
+    // Every request starts at the SLM; another model is visited when it committed a token.
+    let visits: Vec<usize> = (0..stats.len())
+        .map(|i| {
+            done.iter()
+                .filter(|d| i == slm || d.tokens_per_model.get(i).is_some_and(|&t| t > 0))
+                .count()
+        })
+        .collect();
+    let computed = stats
+        .iter()
+        .zip(&visits)
+        .map(|(s, &v)| (prompt_tokens - s.prefix_hit_tokens as f64 / v.max(1) as f64).max(0.0))
+        .collect();
+    let extends = stats
+        .iter()
+        .map(|s| s.extend_tokens as f64 / requests)
+        .collect();
     let (s, l) = (&stats[slm], &stats[llm]);
     // SLM moves drop the sampled token, so its samples are commits plus moves.
-    let up = s.handoffs_out as f64 / (s.tokens_committed + s.handoffs_out).max(1) as f64;
-    let down = l.handoffs_out as f64 / l.tokens_committed.max(1) as f64;
-    Ok((up, down))
+    Ok(Routing {
+        p_up: s.handoffs_out as f64 / (s.tokens_committed + s.handoffs_out).max(1) as f64,
+        p_down: l.handoffs_out as f64 / l.tokens_committed.max(1) as f64,
+        prompt_tokens,
+        computed,
+        visit: visits.iter().map(|&v| v as f64 / requests).collect(),
+        extends,
+    })
 }

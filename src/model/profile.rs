@@ -16,6 +16,7 @@ use super::kv_cache::KvDtype;
 use super::runner::{step, Sequence};
 use super::Model;
 use crate::scheduler::BlockPool;
+use crate::tuning::StepLatencies;
 
 /// One prefill and one decode step before timing: thread-pool start-up, scratch buffers and
 /// (for the matrices candle multiplies) weight repacking happen lazily on first use and would
@@ -31,9 +32,10 @@ pub fn warm_up(model: &Model) -> Result<()> {
     Ok(())
 }
 
-/// Seconds of one decode step at every batch size `1..=max_batch`: measured at powers of two
-/// (and `max_batch`), linear in between.
-pub fn step_latencies(model: &Model, max_batch: usize, kv_dtype: KvDtype) -> Result<Vec<f64>> {
+/// Decode-step seconds at every batch size `1..=max_batch`, measured at powers of two (and
+/// `max_batch`), linear in between; and the per-token seconds of the prefill at `max_batch`
+/// (16 tokens each), the marginal cost of extend tokens in a step.
+pub fn step_latencies(model: &Model, max_batch: usize, kv_dtype: KvDtype) -> Result<StepLatencies> {
     let work = Workload {
         prompt_len: 16,
         decode_steps: 4,
@@ -42,19 +44,25 @@ pub fn step_latencies(model: &Model, max_batch: usize, kv_dtype: KvDtype) -> Res
     };
     warm_up(model)?;
     let mut points = Vec::new();
+    let mut extend_token;
     let mut b = 1;
     loop {
         let batch = b.min(max_batch.max(1));
         let t = measure(model, batch, &work)?;
+        // The largest batch's prefill: extends run inside steps whose weights are read anyway.
+        extend_token = t.prefill_secs() / t.batch_tokens as f64;
         points.push((batch, batch as f64 / t.decode_tok_s));
         if batch == max_batch.max(1) {
             break;
         }
         b *= 2;
     }
-    Ok((1..=max_batch.max(1))
-        .map(|n| interpolate(&points, n))
-        .collect())
+    Ok(StepLatencies {
+        decode: (1..=max_batch.max(1))
+            .map(|n| interpolate(&points, n))
+            .collect(),
+        extend_token,
+    })
 }
 
 /// Linear interpolation between measured `(batch, seconds)` points (sorted by batch).

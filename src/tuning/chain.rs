@@ -95,6 +95,10 @@ impl<'a> Chain<'a> {
         {
             return bad(format!("arrival_s needs {m} non-negative seconds"));
         }
+        let (start_s, per_request) = inputs.request_s;
+        if !(start_s >= 0.0 && per_request >= 0.0 && start_s.is_finite()) {
+            return bad("request_s needs non-negative seconds and tokens".into());
+        }
         let shortest = steps.copied().fold(f64::INFINITY, f64::min);
         let n = inputs.concurrency;
         Ok(Self {
@@ -106,6 +110,14 @@ impl<'a> Chain<'a> {
 
     fn models(&self) -> usize {
         self.inputs.latency.len()
+    }
+
+    /// Device seconds of the requests' prompt prefills per committed token (shared device).
+    fn prompt_s_per_token(&self) -> f64 {
+        match self.inputs.request_s {
+            (s, tokens) if self.inputs.shared_compute && tokens > 0.0 => s / tokens,
+            _ => 0.0,
+        }
     }
 
     fn quanta(&self, model: usize, batch: u16) -> u16 {
@@ -209,7 +221,8 @@ impl<'a> Chain<'a> {
                 for (q, arrivals, r, sec) in &outcomes {
                     let mut a = arrivals.clone();
                     a.iter_mut().zip(&split).for_each(|(x, y)| *x += y);
-                    next.push((q * p, a, r + tokens, sec + own + catch_up));
+                    let prompts = tokens * self.prompt_s_per_token();
+                    next.push((q * p, a, r + tokens, sec + own + catch_up + prompts));
                 }
             }
             outcomes = next;

@@ -19,12 +19,25 @@
 //! model after the one that just ran (cyclically: first come, first served) whose queue reached
 //! its threshold launches, or, when none has, the next with any queue at all (the executor never
 //! idles while a request waits). Steps then add up in time, so each request arriving at a model
-//! also costs that model's catch-up extend (`arrival_s`), paid serially on the device.
+//! also costs that model's catch-up extend (`arrival_s`), paid serially on the device; or,
+//! where a routed run measured them, every request costs the extends (prompt prefills and
+//! catch-ups) it made (`request_s`), spread over the tokens it commits.
 
 mod chain;
 pub mod online;
 
 pub use chain::{solve, ChainError, Prediction};
+
+/// What one model's steps cost on a machine, as measured there: the throughput model's input.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StepLatencies {
+    /// Seconds of one decode step at every batch size `1..` (index 0: batch 1).
+    pub decode: Vec<f64>,
+    /// Seconds per token of an extend (a catch-up on the tokens produced at another model, or
+    /// a prompt's prefill) in a step of many rows (0: not measured).
+    #[serde(default)]
+    pub extend_token: f64,
+}
 
 /// What the chain needs to know about the system.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,6 +61,13 @@ pub struct ChainInputs {
     /// `arrival_s[i]`: seconds model `i` spends catching up on the tokens a request produced
     /// elsewhere, per request arriving there (counted on a shared device only; empty: none).
     pub arrival_s: Vec<f64>,
+    /// `extend_s[i]`: seconds per token of an extend on model `i`, for [`Self::with_catch_up`]
+    /// (empty: the slope of its step latency over the batch).
+    pub extend_s: Vec<f64>,
+    /// Device seconds each request costs outside the decode steps and catch-ups (its
+    /// prompt's prefill at every model it visits), and the tokens it commits: on a shared
+    /// device every committed token also costs `request_s.0 / request_s.1` (none when 0).
+    pub request_s: (f64, f64),
 }
 
 impl ChainInputs {
@@ -62,6 +82,8 @@ impl ChainInputs {
             resolution: 4,
             shared_compute: false,
             arrival_s: Vec::new(),
+            extend_s: Vec::new(),
+            request_s: (0.0, 0.0),
         }
     }
 }
@@ -69,8 +91,8 @@ impl ChainInputs {
 impl ChainInputs {
     /// Sets `arrival_s` for models on one device: a request arriving at a model extends the
     /// tokens its visit elsewhere committed (a geometric run of `1 / p` steps, less a dropped
-    /// token), each costing what one more row costs in a step there (the slope of its step
-    /// latency over the batch).
+    /// token), each costing `extend_s` there, or without it what one more row costs in a step
+    /// there (the slope of its step latency over the batch).
     pub fn with_catch_up(mut self) -> Self {
         let slope = |l: &[f64]| match l.len() {
             0 => 0.0,
@@ -98,9 +120,27 @@ impl ChainInputs {
                     return 0.0;
                 }
                 let tokens: f64 = (0..m).map(|i| inflow[i] / total * visit_tokens(i)).sum();
-                tokens * slope(&self.latency[j])
+                let per_token = match self.extend_s.get(j) {
+                    Some(&s) if s > 0.0 => s,
+                    _ => slope(&self.latency[j]),
+                };
+                tokens * per_token
             })
             .collect();
+        self
+    }
+
+    /// Sets `request_s` for requests that commit `output_tokens` each and extend (prefill
+    /// or catch up, computing tokens they do not sample from) `extend_tokens[i]` tokens at
+    /// model `i`, at `extend_s[i]` a token. With the extends a routed run measured, this
+    /// replaces [`Self::with_catch_up`]'s estimate; without them, it can add the prompts'
+    /// prefills to it.
+    pub fn with_extends(mut self, extend_tokens: &[f64], output_tokens: f64) -> Self {
+        let at = |v: &[f64], i: usize| v.get(i).copied().unwrap_or(0.0);
+        let seconds = (0..self.latency.len())
+            .map(|i| at(extend_tokens, i).max(0.0) * at(&self.extend_s, i))
+            .sum();
+        self.request_s = (seconds, output_tokens);
         self
     }
 }

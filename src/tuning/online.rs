@@ -7,16 +7,16 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::{optimize, ChainInputs};
+use super::{optimize, ChainInputs, StepLatencies};
 
 /// Largest concurrency the tuner solves for; beyond it the solution for this value is used.
 pub const MAX_TUNED_CONCURRENCY: usize = 16;
 
-/// Step latencies of the SLM and the LLM at batch `1..`, shared by both models' tuners.
+/// Step latencies of the SLM and the LLM, shared by both models' tuners.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LatencyProfile {
-    pub slm: Vec<f64>,
-    pub llm: Vec<f64>,
+    pub slm: StepLatencies,
+    pub llm: StepLatencies,
     /// Whether the models share one device (see [`ChainInputs::shared_compute`]).
     pub shared_compute: bool,
 }
@@ -125,13 +125,14 @@ impl OnlineThresholds {
 /// The throughput-optimal `(slm, llm)` thresholds at `point` (eager if nothing is feasible).
 pub fn solve_point(profile: &LatencyProfile, point: OperatingPoint) -> (usize, usize) {
     let (n, up, down) = point;
-    let cut = |l: &Vec<f64>| l[..n.min(l.len())].to_vec();
+    let cut = |l: &StepLatencies| l.decode[..n.min(l.decode.len())].to_vec();
     let mut inputs = ChainInputs::two_models(
         n,
         up as f64 / 20.0,
         down as f64 / 20.0,
         [cut(&profile.slm), cut(&profile.llm)],
     );
+    inputs.extend_s = vec![profile.slm.extend_token, profile.llm.extend_token];
     if profile.shared_compute {
         inputs.shared_compute = true;
         inputs = inputs.with_catch_up();
@@ -148,8 +149,14 @@ mod tests {
 
     fn profile() -> Arc<LatencyProfile> {
         Arc::new(LatencyProfile {
-            slm: (1..=8).map(|b| 0.02 + 0.002 * b as f64).collect(),
-            llm: (1..=8).map(|b| 0.2 + 0.001 * b as f64).collect(),
+            slm: StepLatencies {
+                decode: (1..=8).map(|b| 0.02 + 0.002 * b as f64).collect(),
+                extend_token: 0.002,
+            },
+            llm: StepLatencies {
+                decode: (1..=8).map(|b| 0.2 + 0.001 * b as f64).collect(),
+                extend_token: 0.004,
+            },
             shared_compute: false,
         })
     }

@@ -25,7 +25,7 @@ use crate::config::Config;
 use crate::routing::{ModelFacts, ModelIndex};
 
 /// Both sides must speak the same version; any change to a frame's layout changes it.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 const MAGIC: [u8; 8] = *b"tkrouter";
 /// How long a peer has to complete the handshake (a silent peer holds nothing longer).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);

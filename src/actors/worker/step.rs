@@ -118,6 +118,11 @@ impl ModelWorker {
         }));
         self.stats.steps += 1;
         self.stats.batched_requests += plan.items.len() as u64;
+        let unsampled = plan
+            .items
+            .iter()
+            .map(|i| i.num_tokens.saturating_sub(i.logits));
+        self.stats.extend_tokens += unsampled.sum::<usize>() as u64;
         match run {
             Ok(Ok(out)) => Ok(out),
             Ok(Err(e)) => Err(format!("forward pass of model '{}' failed: {e}", self.name)),

@@ -44,7 +44,6 @@ pub struct Throughput {
     pub decode_kernels: Vec<KernelTime>,
 }
 
-#[cfg_attr(not(feature = "profiling"), allow(dead_code))]
 impl Throughput {
     /// Seconds the prefill took.
     pub fn prefill_secs(&self) -> f64 {

@@ -21,6 +21,8 @@ fn one_model_runs_every_request_in_one_batch() {
         resolution: 11,
         shared_compute: false,
         arrival_s: Vec::new(),
+        extend_s: Vec::new(),
+        request_s: (0.0, 0.0),
     };
     let p = solve(&inputs, &[1]).unwrap();
     assert!(close(p.tokens_per_s, 4.0 / 0.14), "{p:?}");
@@ -172,20 +174,47 @@ fn splits_are_multinomial() {
 }
 
 #[test]
-fn catch_up_costs_the_visit_elsewhere_at_the_step_slope() {
+fn catch_up_costs_the_visit_elsewhere_at_the_step_slope_or_the_measured_extend() {
     // The SLM leaves with probability 0.25 (4 steps, the last token dropped: 3 tokens); the
-    // LLM with 0.5 (2 tokens). Slopes: 0.01 and 0.02 s per row.
-    let inputs =
-        ChainInputs::two_models(4, 0.25, 0.5, [linear(0.05, 0.01, 4), linear(0.2, 0.02, 4)])
-            .with_catch_up();
-    assert!(
-        close(inputs.arrival_s[0], 2.0 * 0.01),
-        "{:?}",
-        inputs.arrival_s
-    );
-    assert!(
-        close(inputs.arrival_s[1], 3.0 * 0.02),
-        "{:?}",
-        inputs.arrival_s
-    );
+    // LLM with 0.5 (2 tokens). Slopes: 0.01 and 0.02 s per row; measured extends, where
+    // given, 4 and 7 ms a token.
+    for (extend_s, per_token) in [(vec![], [0.01, 0.02]), (vec![0.004, 0.007], [0.004, 0.007])] {
+        let mut inputs =
+            ChainInputs::two_models(4, 0.25, 0.5, [linear(0.05, 0.01, 4), linear(0.2, 0.02, 4)]);
+        inputs.extend_s = extend_s;
+        let arrival = inputs.with_catch_up().arrival_s;
+        assert!(close(arrival[0], 2.0 * per_token[0]), "{arrival:?}");
+        assert!(close(arrival[1], 3.0 * per_token[1]), "{arrival:?}");
+    }
+}
+
+#[test]
+fn extends_add_their_seconds_per_committed_token_on_a_shared_device() {
+    // One model, one request at a time: 10 tokens a request at 0.1 s a step, and a 20-token
+    // prompt at 5 ms a token: 1 s of steps and 0.1 s of prefill per request.
+    let mut inputs = ChainInputs {
+        concurrency: 1,
+        routing: vec![vec![1.0]],
+        drops: vec![false],
+        latency: vec![vec![0.1]],
+        resolution: 1,
+        shared_compute: true,
+        arrival_s: Vec::new(),
+        extend_s: vec![0.005],
+        request_s: (0.0, 0.0),
+    };
+    inputs.request_s = (20.0 * 0.005, 10.0);
+    let p = solve(&inputs, &[1]).unwrap();
+    assert!(close(p.tokens_per_s, 10.0 / 1.1), "{p:?}");
+    // Two models: each model's extends at its own cost.
+    let mut two = ChainInputs::two_models(2, 0.1, 0.5, [vec![0.02, 0.03], vec![0.05, 0.08]]);
+    two.extend_s = vec![0.002, 0.006];
+    let two = two.with_extends(&[30.0, 20.0], 64.0);
+    assert!(close(two.request_s.0, 30.0 * 0.002 + 20.0 * 0.006));
+    assert!(close(two.request_s.1, 64.0));
+    // Separate devices overlap prefills with the other model's steps: not charged.
+    let mut separate = inputs.clone();
+    separate.shared_compute = false;
+    let q = solve(&separate, &[1]).unwrap();
+    assert!(close(q.tokens_per_s, 10.0), "{q:?}");
 }
