@@ -177,23 +177,130 @@ pub(super) unsafe fn pair_tile<S: SimpleX8>(
             let k = k0 + j;
             let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
             let d = halves([pair[0].d(), pair[1].d()]);
-            let m = match (pair[0].m(), pair[1].m()) {
-                (Some(m0), Some(m1)) => Some(halves([m0, m1])),
-                _ => None,
-            };
+            let m = offsets(pair);
             for_rows!(rows, |r| {
                 let a = acts.get_unchecked(r * kb + k);
-                let mut dots = _mm512_load_si512(c[r].as_ptr() as *const __m512i);
-                if S::OFFSET != 0 {
-                    dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(S::OFFSET * a.sum));
-                }
-                let scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, acc[r]);
-                if let Some(m) = m {
-                    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s), acc[r]);
-                }
+                let dots = _mm512_load_si512(c[r].as_ptr() as *const __m512i);
+                block_step(d, m, a, dots, S::OFFSET, &mut acc[r]);
             });
         }
     }
     store_rows(&acc, rows, sums);
+}
+
+/// The pair's 16 offsets, for the formats that have them.
+#[inline(always)]
+unsafe fn offsets<S: SimpleX8>(pair: [&S; 2]) -> Option<__m512> {
+    match (pair[0].m(), pair[1].m()) {
+        (Some(m0), Some(m1)) => Some(halves([m0, m1])),
+        _ => None,
+    }
+}
+
+/// A block's float step in 16 lanes (`block32_trait::add_block`'s): `acc += d · a.d · (dots -
+/// offset · a.sum)`, plus `m · a.s` where the format has offsets.
+#[inline(always)]
+unsafe fn block_step(
+    d: __m512,
+    m: Option<__m512>,
+    a: &ActBlock,
+    mut dots: __m512i,
+    offset: i32,
+    acc: &mut __m512,
+) {
+    if offset != 0 {
+        dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(offset * a.sum));
+    }
+    let scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, *acc);
+    if let Some(m) = m {
+        *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s), *acc);
+    }
+}
+
+/// As [`pair_tile`], on AVX-512 VNNI's 512-bit registers (no AMX): each block of the pair is
+/// unpacked to bytes once and reused by every activation row of the tile, four at a time;
+/// each `vpdpbusd` multiplies 16 weight rows by one row's four activation bytes, broadcast
+/// from memory. Q8_0's signed values take 128 more (their products 128 times the block's
+/// activation sum more, taken off as the other formats' offsets are), so every format
+/// multiplies unsigned bytes; the integer sums are exact, so the bits are `pair_tile`'s.
+///
+/// # Safety
+/// The CPU has AVX-512 (F, BW, VL) and AVX-512 VNNI; `acts` holds `rows · kb` blocks, each
+/// of `w` `kb`; `rows` is 1 to 16.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn zmm_pair_tile<S: SimpleX8>(
+    w: [&[S]; 2],
+    acts: &[ActBlock],
+    kb: usize,
+    rows: usize,
+    stream: bool,
+    sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
+) {
+    let Scratch { b, .. } = scratch();
+    let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+    let lines = std::mem::size_of::<S>().div_ceil(64);
+    let (flip, offset) = match S::SIGNED {
+        true => (_mm512_set1_epi8(i8::MIN), S::OFFSET + 128),
+        false => (_mm512_setzero_si512(), S::OFFSET),
+    };
+    for k0 in (0..kb).step_by(STRETCH) {
+        let n = STRETCH.min(kb - k0);
+        for (j, b) in b.iter_mut().enumerate().take(n) {
+            let pair = [w[0].get_unchecked(k0 + j), w[1].get_unchecked(k0 + j)];
+            prefetch_pair(pair, 0..lines, stream);
+            for (row, v) in b.iter_mut().zip(S::amx_rows(pair)) {
+                _mm512_store_si512(row.as_mut_ptr() as *mut __m512i, _mm512_xor_si512(v, flip));
+            }
+        }
+        for (j, b) in b.iter().enumerate().take(n) {
+            let k = k0 + j;
+            let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
+            let (d, m) = (halves([pair[0].d(), pair[1].d()]), offsets(pair));
+            let mut r = 0;
+            while r < rows {
+                let step =
+                    |a: &ActBlock, dots, acc: &mut __m512| block_step(d, m, a, dots, offset, acc);
+                r += match rows - r {
+                    1 => zmm_rows::<1>(b, acts, kb, k, r, step, &mut acc),
+                    2 => zmm_rows::<2>(b, acts, kb, k, r, step, &mut acc),
+                    3 => zmm_rows::<3>(b, acts, kb, k, r, step, &mut acc),
+                    _ => zmm_rows::<4>(b, acts, kb, k, r, step, &mut acc),
+                };
+            }
+        }
+    }
+    store_rows(&acc, rows, sums);
+}
+
+/// Block `k`'s products for activation rows `r0..r0 + T` from its unpacked values `b`, each
+/// ended by `step`; returns `T`. Even and odd groups of four values in separate sums, so `2T`
+/// chains overlap `vpdpbusd`'s latency.
+#[inline(always)]
+unsafe fn zmm_rows<const T: usize>(
+    b: &[[u8; 64]; 8],
+    acts: &[ActBlock],
+    kb: usize,
+    k: usize,
+    r0: usize,
+    step: impl Fn(&ActBlock, __m512i, &mut __m512),
+    acc: &mut [__m512; TILE_ROWS],
+) -> usize {
+    let a: [&ActBlock; T] = std::array::from_fn(|i| acts.get_unchecked((r0 + i) * kb + k));
+    let mut part = [[_mm512_setzero_si512(); T]; 2];
+    for (g, values) in b.iter().enumerate() {
+        let wv = _mm512_load_si512(values.as_ptr() as *const __m512i);
+        for i in 0..T {
+            let x = std::ptr::read_unaligned(a[i].qs.as_ptr().add(4 * g) as *const i32);
+            part[g % 2][i] = _mm512_dpbusd_epi32(part[g % 2][i], wv, _mm512_set1_epi32(x));
+        }
+    }
+    for i in 0..T {
+        step(
+            a[i],
+            _mm512_add_epi32(part[0][i], part[1][i]),
+            &mut acc[r0 + i],
+        );
+    }
+    T
 }

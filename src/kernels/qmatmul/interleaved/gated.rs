@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 
 #[cfg(target_arch = "x86_64")]
-use super::uses_amx;
+use super::uses_pairs;
 use super::{block_len, prefetch_ahead_for, Act, Interleaved, PackedMatrix, MAX_TILE_ROWS, ROWS};
 use crate::kernels::parallel::DisjointOut;
 use crate::kernels::qmatmul::{Isa, QuantKernel};
@@ -70,9 +70,9 @@ unsafe impl<P: Interleaved> QuantKernel for GatedPacked<P> {
         }
         let n = self.rows();
         #[cfg(target_arch = "x86_64")]
-        if uses_amx::<P>(isa, m) {
+        if uses_pairs::<P>(isa, m) {
             // A pair's sums are its gate rows' then its up rows'.
-            return self.pairs.amx_pairs(acts, m, |pair, r, sums| {
+            return self.pairs.pairs(acts, m, isa, |pair, r, sums| {
                 let mut v = [0f32; ROWS];
                 for (row, s) in r.zip(sums) {
                     crate::kernels::silu_mul(&s[..ROWS], &s[ROWS..], &mut v);

@@ -209,6 +209,29 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
         let _ = (w, acts, kb, sums);
         unreachable!("the format has no 512-bit row path")
     }
+    /// Whether the format has 512-bit pair tiles for AVX-512 VNNI
+    /// ([`zmm_pair`](Self::zmm_pair)).
+    const ZMM_PAIR: bool = false;
+    /// The fewest activation rows a product takes the 512-bit pair tiles for (with
+    /// [`Isa::Avx512Vnni`]); fewer take the 256-bit tiles.
+    const ZMM_PAIR_MIN_ROWS: usize = usize::MAX;
+    /// As [`amx_pair`](Self::amx_pair), on AVX-512 VNNI's 512-bit registers: the same bits.
+    ///
+    /// # Safety
+    /// [`Isa::Avx512Vnni`] must be available and `ZMM_PAIR` true; `rows` is 1 to 16 and the
+    /// slices hold what `amx_pair` takes.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn zmm_pair(
+        w: [&[Self]; 2],
+        acts: &[Act<Self>],
+        kb: usize,
+        rows: usize,
+        stream: bool,
+        sums: &mut [[f32; AMX_TILE]; AMX_TILE],
+    ) {
+        let _ = (w, acts, kb, rows, stream, sums);
+        unreachable!("the format has no 512-bit pair path")
+    }
     /// Whether the format has an AMX path ([`amx_pair`](Self::amx_pair)).
     const AMX: bool = false;
     /// The fewest activation rows a product takes AMX tiles for (with [`Isa::Amx`]); fewer
@@ -348,9 +371,9 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
     unsafe fn matmul_quantized(&self, acts: &[Act<P>], m: usize, out: DisjointOut, isa: Isa) {
         let n = self.rows;
         #[cfg(target_arch = "x86_64")]
-        if uses_amx::<P>(isa, m) {
+        if uses_pairs::<P>(isa, m) {
             let groups = self.rows / ROWS;
-            return self.amx_pairs(acts, m, |pair, r, sums| {
+            return self.pairs(acts, m, isa, |pair, r, sums| {
                 let cols = (groups - 2 * pair).min(2) * ROWS;
                 for (row, s) in r.zip(sums) {
                     // SAFETY: columns 16·pair..16·pair + cols belong to this task's pairs
@@ -419,15 +442,17 @@ impl<P: Interleaved> PackedMatrix<P> {
 
     /// Calls `f(pair, rows, sums)` for every pair of groups (`2 · pair`, and `2 · pair + 1`
     /// unless the groups end first) and tile of the `m` activation rows, `sums[i][j]` =
-    /// activation row `rows.start + i` · weight row `16 · pair + j`, through AMX tiles.
+    /// activation row `rows.start + i` · weight row `16 · pair + j`, through AMX tiles
+    /// ([`Isa::Amx`]) or 512-bit pair tiles (`isa` AVX-512 VNNI).
     ///
     /// # Safety
-    /// [`Isa::Amx`] must be available and `P::AMX` true.
+    /// [`uses_pairs`] must hold for `isa`, and `isa` be available.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn amx_pairs(
+    unsafe fn pairs(
         &self,
         acts: &[Act<P>],
         m: usize,
+        isa: Isa,
         f: impl Fn(usize, Range<usize>, &[[f32; AMX_TILE]]) + Sync,
     ) {
         let kb = self.cols / block_len::<P>();
@@ -446,18 +471,30 @@ impl<P: Interleaved> PackedMatrix<P> {
             // The kernels take the tile's rows unchecked.
             assert!((1..=AMX_TILE).contains(&r.len()) && r.end * kb <= acts.len());
             let a = &acts[r.start * kb..r.end * kb];
-            // SAFETY: as the caller promised; `a` holds the tile's rows.
-            unsafe {
-                crate::kernels::qmatmul::amx::with_tiles(r.len(), P::AMX_DEPTH, || {
-                    for pair in pairs {
-                        // An odd last group is multiplied twice and written once.
-                        let w = [group(2 * pair), group((2 * pair + 1).min(groups - 1))];
-                        // SAFETY: inside `with_tiles` for the tile's rows; `w` holds `kb`
-                        // blocks each.
-                        P::amx_pair(w, a, kb, r.len(), stream, &mut sums);
-                        f(pair, r.clone(), &sums[..r.len()]);
+            let mut each = |amx: bool| {
+                for pair in pairs.clone() {
+                    // An odd last group is multiplied twice and written once.
+                    let w = [group(2 * pair), group((2 * pair + 1).min(groups - 1))];
+                    // SAFETY: AMX's inside `with_tiles` for the tile's rows, the 512-bit ones
+                    // where AVX-512 VNNI is (as the caller promised); `w` holds `kb` blocks
+                    // each, `a` the tile's rows.
+                    unsafe {
+                        if amx {
+                            P::amx_pair(w, a, kb, r.len(), stream, &mut sums);
+                        } else {
+                            P::zmm_pair(w, a, kb, r.len(), stream, &mut sums);
+                        }
                     }
-                })
+                    f(pair, r.clone(), &sums[..r.len()]);
+                }
+            };
+            if isa == Isa::Amx {
+                // SAFETY: AMX is available (as the caller promised).
+                unsafe {
+                    crate::kernels::qmatmul::amx::with_tiles(r.len(), P::AMX_DEPTH, || each(true))
+                }
+            } else {
+                each(false)
             }
         });
     }
@@ -477,9 +514,14 @@ impl<P: Interleaved> PackedMatrix<P> {
     }
 }
 
-/// Whether a product of `m` activation rows takes AMX tiles.
-fn uses_amx<P: Interleaved>(isa: Isa, m: usize) -> bool {
-    isa == Isa::Amx && P::AMX && m >= P::AMX_MIN_ROWS
+/// Whether a product of `m` activation rows takes pair tiles: AMX's, or with AVX-512 VNNI
+/// (and no AMX) the 512-bit ones.
+fn uses_pairs<P: Interleaved>(isa: Isa, m: usize) -> bool {
+    match isa {
+        Isa::Amx => P::AMX && m >= P::AMX_MIN_ROWS,
+        Isa::Avx512Vnni => P::ZMM_PAIR && m >= P::ZMM_PAIR_MIN_ROWS,
+        _ => false,
+    }
 }
 
 /// Whether a tile of `rows` activation rows takes the 512-bit one-row kernel.

@@ -116,6 +116,24 @@ impl Interleaved for BlockQ4Kx8 {
         zmm::row(w, acts, kb, sums)
     }
 
+    const ZMM_PAIR: bool = true;
+    /// As `AMX_MIN_ROWS` for Q4_K: the 1.5B (Q4_K and Q6_K layers) decoded batches of 8 and
+    /// 16 at 119–122 and 145–147 tok/s with the pairs from 4 rows, against 96–122 and 91–122
+    /// without, batches of 4 at 90–91 against 87–99 (two alternated rounds).
+    const ZMM_PAIR_MIN_ROWS: usize = 5;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn zmm_pair(
+        w: [&[Self]; 2],
+        acts: &[ActBlockK],
+        kb: usize,
+        rows: usize,
+        stream: bool,
+        sums: &mut [[f32; 16]; 16],
+    ) {
+        zmm_pair::tile(w, acts, kb, rows, stream, sums)
+    }
+
     amx_pair!(amx::pair_tile);
 }
 
@@ -127,9 +145,8 @@ impl Interleaved for BlockQ4Kx8 {
 mod amx {
     use std::arch::x86_64::*;
 
-    use super::super::amx_tiles::{
-        add_scaled, bytes8, halves, join, prefetch_pair, scratch, store_rows, Scratch,
-    };
+    use super::super::amx_tiles::{add_scaled, bytes8, scratch, store_rows, Scratch};
+    use super::pair::{unpack, Step};
     use super::{ActBlockK, BlockQ4Kx8};
     use crate::kernels::qmatmul::amx::{self as tiles, TILE_COLS, TILE_ROWS};
 
@@ -149,24 +166,9 @@ mod amx {
         let Scratch { b, c } = scratch();
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         let stride = kb * std::mem::size_of::<ActBlockK>();
-        let m4 = _mm512_set1_epi8(0x0F);
-        let lines = std::mem::size_of::<BlockQ4Kx8>().div_ceil(64);
         for k in 0..kb {
             let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
-            // Chunk `8p + g` of each group's values: its low nibbles are values `4g..4g + 4`
-            // of sub-block `2p`, its high ones of sub-block `2p + 1`.
-            for p in 0..4 {
-                prefetch_pair(pair, p * lines / 4..(p + 1) * lines / 4, stream);
-                let (lo, hi) = b[2 * p..2 * p + 2].split_at_mut(1);
-                for (g, (lo, hi)) in lo[0].iter_mut().zip(hi[0].iter_mut()).enumerate() {
-                    let at = (p * 8 + g) * 32;
-                    let raw = join(pair[0].qs.as_ptr().add(at), pair[1].qs.as_ptr().add(at));
-                    let low = _mm512_and_si512(raw, m4);
-                    let high = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
-                    _mm512_store_si512(lo.as_mut_ptr() as *mut __m512i, low);
-                    _mm512_store_si512(hi.as_mut_ptr() as *mut __m512i, high);
-                }
-            }
+            unpack(pair, b, stream);
             let a = acts.get_unchecked(k).qs.as_ptr();
             for (j, (b, c)) in b.iter().zip(c.iter_mut()).enumerate() {
                 tiles::product(j, a.add(32 * j), stride, b.as_ptr(), false, c);
@@ -176,30 +178,178 @@ mod amx {
                 let [s0, s1] = pair.map(|block| block.scales.as_ptr().add(8 * j));
                 add_scaled(&mut sumi, c, _mm512_cvtepu8_epi32(bytes8(s0, s1)), rows);
             }
-            let d = halves([&pair[0].d, &pair[1].d]);
-            let dmin = halves([&pair[0].dmin, &pair[1].dmin]);
-            // `mins[16p + 2i + h]` of each group: lane `i` (8 more for the second group)
-            // holds sub-blocks `2p` and `2p + 1`'s mins as a pair of 16-bit values.
-            let mins: [__m512i; 4] = std::array::from_fn(|p| {
+            let step = Step::new(pair);
+            for_rows!(rows, |r| {
+                step.apply(acts.get_unchecked(r * kb + k), sumi[r], &mut acc[r]);
+            });
+        }
+        store_rows(&acc, rows, sums);
+    }
+}
+
+/// What Q4_K's AMX and 512-bit pair tiles share: a super-block of the pair unpacked to bytes,
+/// and its float step.
+#[cfg(target_arch = "x86_64")]
+mod pair {
+    use std::arch::x86_64::*;
+
+    use super::super::amx_tiles::{halves, join, prefetch_pair};
+    use super::{ActBlockK, BlockQ4Kx8};
+
+    /// Unpacks the pair's super-block into `b`: `b[j][g]` is values `4g..4g + 4` of sub-block
+    /// `j` of the 16 weight rows (the first group's eight, then the second's), as bytes.
+    #[inline(always)]
+    pub(super) unsafe fn unpack(pair: [&BlockQ4Kx8; 2], b: &mut [[[u8; 64]; 8]; 8], stream: bool) {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let lines = std::mem::size_of::<BlockQ4Kx8>().div_ceil(64);
+        // Chunk `8p + g` of each group's values: its low nibbles are values `4g..4g + 4` of
+        // sub-block `2p`, its high ones of sub-block `2p + 1`.
+        for p in 0..4 {
+            prefetch_pair(pair, p * lines / 4..(p + 1) * lines / 4, stream);
+            let (lo, hi) = b[2 * p..2 * p + 2].split_at_mut(1);
+            for (g, (lo, hi)) in lo[0].iter_mut().zip(hi[0].iter_mut()).enumerate() {
+                let at = (p * 8 + g) * 32;
+                let raw = join(pair[0].qs.as_ptr().add(at), pair[1].qs.as_ptr().add(at));
+                let low = _mm512_and_si512(raw, m4);
+                let high = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+                _mm512_store_si512(lo.as_mut_ptr() as *mut __m512i, low);
+                _mm512_store_si512(hi.as_mut_ptr() as *mut __m512i, high);
+            }
+        }
+    }
+
+    /// A pair's super-block float step: the 256-bit tile's `finish` in 16 lanes, so each
+    /// path gives the same bits.
+    pub(super) struct Step {
+        d: __m512,
+        dmin: __m512,
+        /// `mins[16p + 2i + h]` of each group: lane `i` (8 more for the second group) holds
+        /// sub-blocks `2p` and `2p + 1`'s mins as a pair of 16-bit values.
+        mins: [__m512i; 4],
+    }
+
+    impl Step {
+        #[inline(always)]
+        pub(super) unsafe fn new(pair: [&BlockQ4Kx8; 2]) -> Self {
+            let mins = std::array::from_fn(|p| {
                 let half = |block: &BlockQ4Kx8| {
                     _mm_loadu_si128(block.mins.as_ptr().add(16 * p) as *const __m128i)
                 };
                 _mm512_cvtepu8_epi16(_mm256_set_m128i(half(pair[1]), half(pair[0])))
             });
-            for_rows!(rows, |r| {
-                let a = acts.get_unchecked(r * kb + k);
-                let mut summ = _mm512_setzero_si512();
-                for (p, m) in mins.iter().enumerate() {
-                    // Sub-blocks `2p` and `2p + 1`'s activation sums, as a pair.
-                    let s = std::ptr::read_unaligned(a.bsums32.as_ptr().add(2 * p) as *const i32);
-                    summ = _mm512_add_epi32(summ, _mm512_madd_epi16(*m, _mm512_set1_epi32(s)));
-                }
-                let ad = _mm512_set1_ps(a.d);
-                let v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(d, ad), acc[r]);
-                acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, ad), v);
-            });
+            Self {
+                d: halves([&pair[0].d, &pair[1].d]),
+                dmin: halves([&pair[0].dmin, &pair[1].dmin]),
+                mins,
+            }
+        }
+
+        /// `acc += a.d · (d · sumi - dmin · Σ mins · bsums)` for the activation block `a`.
+        #[inline(always)]
+        pub(super) unsafe fn apply(&self, a: &ActBlockK, sumi: __m512i, acc: &mut __m512) {
+            let mut summ = _mm512_setzero_si512();
+            for (p, m) in self.mins.iter().enumerate() {
+                // Sub-blocks `2p` and `2p + 1`'s activation sums, as a pair.
+                let s = std::ptr::read_unaligned(a.bsums32.as_ptr().add(2 * p) as *const i32);
+                summ = _mm512_add_epi32(summ, _mm512_madd_epi16(*m, _mm512_set1_epi32(s)));
+            }
+            let ad = _mm512_set1_ps(a.d);
+            let v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(self.d, ad), *acc);
+            *acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(self.dmin, ad), v);
+        }
+    }
+}
+
+/// Q4_K's pair tiles on 512-bit registers (AVX-512 VNNI without AMX): the pair's super-block
+/// is unpacked to bytes once (as for AMX) and reused by every activation row of the tile, four
+/// at a time; each `vpdpbusd` multiplies 16 weight rows by one row's four activation bytes,
+/// broadcast from memory. Against the 256-bit tiles, a multiply-add costs half the
+/// instructions: no unpacking in the inner loop and one broadcast per 64 products, not 32.
+#[cfg(target_arch = "x86_64")]
+mod zmm_pair {
+    use std::arch::x86_64::*;
+
+    use super::super::amx_tiles::{bytes8, scratch, store_rows, Scratch};
+    use super::pair::{unpack, Step};
+    use super::{ActBlockK, BlockQ4Kx8};
+    use crate::kernels::qmatmul::amx::{TILE_COLS, TILE_ROWS};
+
+    /// As [`Interleaved::zmm_pair`](super::Interleaved::zmm_pair).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 (F, BW, VL) and AVX-512 VNNI; `acts` holds `rows · kb`
+    /// blocks, each of `w` `kb`; `rows` is 1 to 16.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn tile(
+        w: [&[BlockQ4Kx8]; 2],
+        acts: &[ActBlockK],
+        kb: usize,
+        rows: usize,
+        stream: bool,
+        sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
+    ) {
+        let Scratch { b, .. } = scratch();
+        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        for k in 0..kb {
+            let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
+            unpack(pair, b, stream);
+            let step = Step::new(pair);
+            let mut r = 0;
+            while r < rows {
+                r += match rows - r {
+                    1 => rows_of::<1>(b, pair, acts, kb, k, r, &step, &mut acc),
+                    2 => rows_of::<2>(b, pair, acts, kb, k, r, &step, &mut acc),
+                    3 => rows_of::<3>(b, pair, acts, kb, k, r, &step, &mut acc),
+                    _ => rows_of::<4>(b, pair, acts, kb, k, r, &step, &mut acc),
+                };
+            }
         }
         store_rows(&acc, rows, sums);
+    }
+
+    /// Super-block `k` for activation rows `r0..r0 + T`; returns `T`. Two sub-blocks at a
+    /// time, so `2T` sums are independent chains and `vpdpbusd`'s latency overlaps.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn rows_of<const T: usize>(
+        b: &[[[u8; 64]; 8]; 8],
+        pair: [&BlockQ4Kx8; 2],
+        acts: &[ActBlockK],
+        kb: usize,
+        k: usize,
+        r0: usize,
+        step: &Step,
+        acc: &mut [__m512; TILE_ROWS],
+    ) -> usize {
+        let a: [&ActBlockK; T] = std::array::from_fn(|i| acts.get_unchecked((r0 + i) * kb + k));
+        let mut sumi = [_mm512_setzero_si512(); T];
+        for jj in 0..4 {
+            let mut part = [[_mm512_setzero_si512(); T]; 2];
+            for g in 0..8 {
+                for (h, part) in part.iter_mut().enumerate() {
+                    let j = 2 * jj + h;
+                    let wv = _mm512_load_si512(b[j][g].as_ptr() as *const __m512i);
+                    for i in 0..T {
+                        let x = std::ptr::read_unaligned(
+                            a[i].qs.as_ptr().add(32 * j + 4 * g) as *const i32
+                        );
+                        part[i] = _mm512_dpbusd_epi32(part[i], wv, _mm512_set1_epi32(x));
+                    }
+                }
+            }
+            for (h, part) in part.iter().enumerate() {
+                let j = 2 * jj + h;
+                let [s0, s1] = pair.map(|block| block.scales.as_ptr().add(8 * j));
+                let scales = _mm512_cvtepu8_epi32(bytes8(s0, s1));
+                for i in 0..T {
+                    sumi[i] = _mm512_add_epi32(sumi[i], _mm512_mullo_epi32(part[i], scales));
+                }
+            }
+        }
+        for i in 0..T {
+            step.apply(a[i], sumi[i], &mut acc[r0 + i]);
+        }
+        T
     }
 }
 

@@ -129,6 +129,24 @@ impl Interleaved for BlockQ6Kx8 {
 
     /// A scale covers 16 values.
     const AMX_DEPTH: usize = 16;
+    const ZMM_PAIR: bool = true;
+    /// As `AMX_MIN_ROWS` for Q4_K: the 1.5B (Q4_K and Q6_K layers) decoded batches of 8 and
+    /// 16 at 119–122 and 145–147 tok/s with the pairs from 4 rows, against 96–122 and 91–122
+    /// without, batches of 4 at 90–91 against 87–99 (two alternated rounds).
+    const ZMM_PAIR_MIN_ROWS: usize = 5;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn zmm_pair(
+        w: [&[Self]; 2],
+        acts: &[ActBlockK],
+        kb: usize,
+        rows: usize,
+        stream: bool,
+        sums: &mut [[f32; 16]; 16],
+    ) {
+        zmm_pair::tile(w, acts, kb, rows, stream, sums)
+    }
+
     amx_pair!(amx::pair_tile);
 }
 
@@ -382,10 +400,8 @@ mod avx2 {
 mod amx {
     use std::arch::x86_64::*;
 
-    use super::super::amx_tiles::{
-        add_scaled, bytes8, halves, prefetch_pair, scratch, store_rows, Scratch,
-    };
-    use super::avx2::values;
+    use super::super::amx_tiles::{add_scaled, bytes8, scratch, store_rows, Scratch};
+    use super::pair::{unpack, Step};
     use super::{ActBlockK, BlockQ6Kx8};
     use crate::kernels::qmatmul::amx::{self as tiles, TILE_COLS, TILE_ROWS};
 
@@ -402,23 +418,12 @@ mod amx {
         stream: bool,
         sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
     ) {
-        // Row `g` of sub-block `sub`'s weight tile holds values `4g..4g + 4`; the 16-value
-        // halves are its rows 0–3 and 4–7.
         let Scratch { b, c } = scratch();
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
         let stride = kb * std::mem::size_of::<ActBlockK>();
-        let lines = std::mem::size_of::<BlockQ6Kx8>().div_ceil(64);
         for k in 0..kb {
             let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
-            for (sub, tile) in b.iter_mut().enumerate() {
-                prefetch_pair(pair, sub * lines / 8..(sub + 1) * lines / 8, stream);
-                let (n, q) = (sub / 4, sub % 4);
-                for (g, row) in tile.iter_mut().enumerate() {
-                    let low = _mm512_castsi256_si512(values(pair[0], n, q, g));
-                    let v = _mm512_inserti64x4::<1>(low, values(pair[1], n, q, g));
-                    _mm512_store_si512(row.as_mut_ptr() as *mut __m512i, v);
-                }
-            }
+            unpack(pair, b, stream);
             let a = acts.get_unchecked(k).qs.as_ptr();
             for (s, c) in c.iter_mut().enumerate() {
                 let half = b[s / 2].as_ptr().add(4 * (s % 2));
@@ -429,28 +434,166 @@ mod amx {
                 let [s0, s1] = pair.map(|block| block.scales.as_ptr().add(8 * s) as *const u8);
                 add_scaled(&mut sumi, c, _mm512_cvtepi8_epi32(bytes8(s0, s1)), rows);
             }
-            // The -32 of every value: Σ_s scale_s · 32 · bsum_s, two scales per `madd` (lane
-            // `i` holds scales `2p` and `2p + 1` of its row as a pair of 16-bit values).
-            let scale_pairs: [__m512i; 8] = std::array::from_fn(|p| {
+            let step = Step::new(pair);
+            for_rows!(rows, |r| {
+                step.apply(acts.get_unchecked(r * kb + k), sumi[r], &mut acc[r]);
+            });
+        }
+        store_rows(&acc, rows, sums);
+    }
+}
+
+/// What Q6_K's AMX and 512-bit pair tiles share: a super-block of the pair unpacked to bytes,
+/// and its float step.
+#[cfg(target_arch = "x86_64")]
+mod pair {
+    use std::arch::x86_64::*;
+
+    use super::super::amx_tiles::{halves, prefetch_pair};
+    use super::avx2::values;
+    use super::{ActBlockK, BlockQ6Kx8};
+
+    /// Unpacks the pair's super-block into `b`: row `g` of `b[t]` holds values `4g..4g + 4`
+    /// of values `32t..32t + 32` of the 16 weight rows (the first group's eight, then the
+    /// second's), as unsigned bytes (32 above the values); sub-block `s` (16 values) is rows
+    /// `4 (s % 2)..` of `b[s / 2]`.
+    #[inline(always)]
+    pub(super) unsafe fn unpack(pair: [&BlockQ6Kx8; 2], b: &mut [[[u8; 64]; 8]; 8], stream: bool) {
+        let lines = std::mem::size_of::<BlockQ6Kx8>().div_ceil(64);
+        for (sub, tile) in b.iter_mut().enumerate() {
+            prefetch_pair(pair, sub * lines / 8..(sub + 1) * lines / 8, stream);
+            let (n, q) = (sub / 4, sub % 4);
+            for (g, row) in tile.iter_mut().enumerate() {
+                let low = _mm512_castsi256_si512(values(pair[0], n, q, g));
+                let v = _mm512_inserti64x4::<1>(low, values(pair[1], n, q, g));
+                _mm512_store_si512(row.as_mut_ptr() as *mut __m512i, v);
+            }
+        }
+    }
+
+    /// A pair's super-block float step, the same ops on every path.
+    pub(super) struct Step {
+        d: __m512,
+        /// Lane `i` holds scales `2p` and `2p + 1` of its row as a pair of 16-bit values.
+        scale_pairs: [__m512i; 8],
+    }
+
+    impl Step {
+        #[inline(always)]
+        pub(super) unsafe fn new(pair: [&BlockQ6Kx8; 2]) -> Self {
+            let scale_pairs = std::array::from_fn(|p| {
                 let pairs = |block: &BlockQ6Kx8| {
                     let s = _mm_loadu_si128(block.scales.as_ptr().add(16 * p) as *const __m128i);
                     _mm_unpacklo_epi8(s, _mm_srli_si128::<8>(s))
                 };
                 _mm512_cvtepi8_epi16(_mm256_set_m128i(pairs(pair[1]), pairs(pair[0])))
             });
-            let d = halves([&pair[0].d, &pair[1].d]);
-            for_rows!(rows, |r| {
-                let a = acts.get_unchecked(r * kb + k);
-                let mut offset = _mm512_setzero_si512();
-                for (p, sp) in scale_pairs.iter().enumerate() {
-                    let s = std::ptr::read_unaligned(a.bsums.as_ptr().add(2 * p) as *const i32);
-                    offset = _mm512_add_epi32(offset, _mm512_madd_epi16(*sp, _mm512_set1_epi32(s)));
-                }
-                let total = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32::<5>(offset));
-                let dv = _mm512_mul_ps(d, _mm512_set1_ps(a.d));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), dv, acc[r]);
-            });
+            Self {
+                d: halves([&pair[0].d, &pair[1].d]),
+                scale_pairs,
+            }
+        }
+
+        /// `acc += d · a.d · (sumi - 32 Σ_s scale_s · bsum_s)`: the -32 of every value, two
+        /// scales per `madd`.
+        #[inline(always)]
+        pub(super) unsafe fn apply(&self, a: &ActBlockK, sumi: __m512i, acc: &mut __m512) {
+            let mut offset = _mm512_setzero_si512();
+            for (p, sp) in self.scale_pairs.iter().enumerate() {
+                let s = std::ptr::read_unaligned(a.bsums.as_ptr().add(2 * p) as *const i32);
+                offset = _mm512_add_epi32(offset, _mm512_madd_epi16(*sp, _mm512_set1_epi32(s)));
+            }
+            let total = _mm512_sub_epi32(sumi, _mm512_slli_epi32::<5>(offset));
+            let dv = _mm512_mul_ps(self.d, _mm512_set1_ps(a.d));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), dv, *acc);
+        }
+    }
+}
+
+/// Q6_K's pair tiles on 512-bit registers (AVX-512 VNNI without AMX), as Q4_K's: the pair's
+/// super-block unpacked once and reused by every activation row of the tile, four at a time.
+#[cfg(target_arch = "x86_64")]
+mod zmm_pair {
+    use std::arch::x86_64::*;
+
+    use super::super::amx_tiles::{bytes8, scratch, store_rows, Scratch};
+    use super::pair::{unpack, Step};
+    use super::{ActBlockK, BlockQ6Kx8};
+    use crate::kernels::qmatmul::amx::{TILE_COLS, TILE_ROWS};
+
+    /// As [`Interleaved::zmm_pair`](super::Interleaved::zmm_pair).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 (F, BW, VL) and AVX-512 VNNI; `acts` holds `rows · kb`
+    /// blocks, each of `w` `kb`; `rows` is 1 to 16.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn tile(
+        w: [&[BlockQ6Kx8]; 2],
+        acts: &[ActBlockK],
+        kb: usize,
+        rows: usize,
+        stream: bool,
+        sums: &mut [[f32; TILE_COLS]; TILE_ROWS],
+    ) {
+        let Scratch { b, .. } = scratch();
+        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        for k in 0..kb {
+            let pair = [w[0].get_unchecked(k), w[1].get_unchecked(k)];
+            unpack(pair, b, stream);
+            let step = Step::new(pair);
+            let mut r = 0;
+            while r < rows {
+                r += match rows - r {
+                    1 => rows_of::<1>(b, pair, acts, kb, k, r, &step, &mut acc),
+                    2 => rows_of::<2>(b, pair, acts, kb, k, r, &step, &mut acc),
+                    3 => rows_of::<3>(b, pair, acts, kb, k, r, &step, &mut acc),
+                    _ => rows_of::<4>(b, pair, acts, kb, k, r, &step, &mut acc),
+                };
+            }
         }
         store_rows(&acc, rows, sums);
+    }
+
+    /// Super-block `k` for activation rows `r0..r0 + T`; returns `T`. Two sub-blocks at a
+    /// time, so `2T` sums are independent chains.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn rows_of<const T: usize>(
+        b: &[[[u8; 64]; 8]; 8],
+        pair: [&BlockQ6Kx8; 2],
+        acts: &[ActBlockK],
+        kb: usize,
+        k: usize,
+        r0: usize,
+        step: &Step,
+        acc: &mut [__m512; TILE_ROWS],
+    ) -> usize {
+        let a: [&ActBlockK; T] = std::array::from_fn(|i| acts.get_unchecked((r0 + i) * kb + k));
+        let mut sumi = [_mm512_setzero_si512(); T];
+        // Sub-blocks `2t` and `2t + 1` are `b[t]`'s rows 0–3 and 4–7.
+        for (t, tile) in b.iter().enumerate() {
+            let mut part = [[_mm512_setzero_si512(); T]; 2];
+            for (g, values) in tile.iter().enumerate() {
+                let wv = _mm512_load_si512(values.as_ptr() as *const __m512i);
+                for i in 0..T {
+                    let x = std::ptr::read_unaligned(
+                        a[i].qs.as_ptr().add(32 * t + 4 * g) as *const i32
+                    );
+                    part[g / 4][i] = _mm512_dpbusd_epi32(part[g / 4][i], wv, _mm512_set1_epi32(x));
+                }
+            }
+            for (h, part) in part.iter().enumerate() {
+                let s = 2 * t + h;
+                let [s0, s1] = pair.map(|block| block.scales.as_ptr().add(8 * s) as *const u8);
+                let scales = _mm512_cvtepi8_epi32(bytes8(s0, s1));
+                for i in 0..T {
+                    sumi[i] = _mm512_add_epi32(sumi[i], _mm512_mullo_epi32(part[i], scales));
+                }
+            }
+        }
+        for i in 0..T {
+            step.apply(a[i], sumi[i], &mut acc[r0 + i]);
+        }
+        T
     }
 }

@@ -309,6 +309,67 @@ fn the_512_bit_row_kernels_give_the_256_bit_tiles_bits() {
     every_interleaved!(check_row_zmm);
 }
 
+/// The 512-bit pair tiles, called directly on two interleaved groups and 1 to 16 activation
+/// rows, give each row the 256-bit one-row tile's bits for both groups (so the batch checks
+/// above cannot pass by the dispatch skipping them).
+#[cfg(target_arch = "x86_64")]
+fn check_zmm_pair<P: Interleaved>() {
+    use crate::kernels::qmatmul::interleaved::ROWS;
+    if !Isa::Avx512Vnni.is_available() || !P::ZMM_PAIR {
+        eprintln!("no 512-bit pair tiles here");
+        return;
+    }
+    let name = <P::Source as WeightBlock>::NAME;
+    let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
+    let size = std::mem::size_of::<P::Source>();
+    for (kb, rows) in [(1, 1), (3, 4), (2, 7), (9, 16), (1, 13)] {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((kb * 31 + rows) as u64);
+        let bytes = random_blocks::<P::Source>(2 * ROWS * kb, &mut rng);
+        // SAFETY: each source block is plain integer and f16 fields, any bits valid, read
+        // unaligned from inside `bytes`.
+        let source = |row: usize, b: usize| unsafe {
+            std::ptr::read_unaligned(bytes[(row * kb + b) * size..].as_ptr() as *const P::Source)
+        };
+        let group = |g: usize| -> Vec<P> {
+            (0..kb)
+                .map(|b| {
+                    let src: [P::Source; ROWS] = std::array::from_fn(|i| source(g * ROWS + i, b));
+                    P::pack(std::array::from_fn(|i| &src[i]))
+                })
+                .collect()
+        };
+        let (w0, w1) = (group(0), group(1));
+        let x: Vec<f32> = (0..rows * kb * len)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        let mut acts = vec![<P::Source as WeightBlock>::Act::ZERO; rows * kb];
+        for (row, a) in x.chunks_exact(kb * len).zip(acts.chunks_exact_mut(kb)) {
+            quantize_row(row, a);
+        }
+        let mut pair = [[f32::NAN; 16]; 16];
+        // SAFETY: AVX-512 VNNI is available; each group holds `kb` blocks, `acts` `rows · kb`.
+        unsafe { P::zmm_pair([&w0, &w1], &acts, kb, rows, false, &mut pair) };
+        for (r, got) in pair.iter().enumerate().take(rows) {
+            let a = &acts[r * kb..(r + 1) * kb];
+            for (g, w) in [&w0, &w1].into_iter().enumerate() {
+                let mut want = [[f32::NAN; ROWS]];
+                // SAFETY: as above, for one row.
+                unsafe { P::tile_simd(Isa::Avx512Vnni, w, a, kb, &mut want) };
+                assert!(
+                    same_bits(&got[g * ROWS..(g + 1) * ROWS], &want[0]),
+                    "{name} {kb} blocks, {rows} rows: row {r}, group {g}"
+                );
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_512_bit_pair_tiles_give_the_256_bit_tiles_bits() {
+    every_interleaved!(check_zmm_pair);
+}
+
 /// A tile configuration another library loaded in this thread (candle's quantized matmul
 /// loads its own once a thread) is the one loaded after our AMX kernels ran, and so is none.
 #[cfg(target_arch = "x86_64")]
