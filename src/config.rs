@@ -126,6 +126,12 @@ pub struct ModelEntry {
     /// size without its file.
     #[serde(default)]
     pub random: Option<String>,
+    /// Quantize the layer matrices to this format at load (`q4_0`, `q4_1`, `q5_0`, `q8_0`,
+    /// `q4_k`, `q6_k`) where it stores them in fewer bits than the checkpoint: fewer bytes a
+    /// decode step, some accuracy lost. For a speculative-decoding drafter it costs only
+    /// acceptance.
+    #[serde(default)]
+    pub quantize: Option<crate::model::Quantize>,
     /// `HOST:PORT` of a subserver hosting this model (`tokenrouter subserver`): the front server
     /// connects there instead of loading the model.
     #[serde(default)]
@@ -301,6 +307,7 @@ impl Config {
                 threads: None,
                 device: DeviceSpec::default(),
                 random: None,
+                quantize: None,
                 remote: None,
                 secret_file: None,
                 tls_ca: None,
@@ -345,6 +352,12 @@ impl Config {
             if let Some(shape) = &m.random {
                 crate::model::random::parse(shape)
                     .map_err(|e| format!("models[{i}].random = \"{shape}\": {e}"))?;
+                if m.quantize.is_some() {
+                    return Err(format!(
+                        "models[{i}]: `quantize` applies to a checkpoint's weights, not `random` \
+                         ones; give the format in random = \"NAME:FORMAT\""
+                    ));
+                }
             }
             if m.path.as_os_str().is_empty() && m.remote.is_none() {
                 return Err(format!(

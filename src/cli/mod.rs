@@ -188,6 +188,10 @@ struct ModelArg {
     /// every model is placed there instead of on its `device`.
     #[arg(long, env = "TOKENROUTER_DEVICE")]
     device: Option<String>,
+    /// Quantize the layer matrices to this format at load, where it stores them in fewer bits
+    /// than the file does. With a config, every model's `quantize`.
+    #[arg(long, value_enum)]
+    quantize: Option<tokenrouter::model::Quantize>,
 }
 
 /// A progress bar over `total` `unit`s on stderr, drawn only when stderr is a terminal (in a
@@ -255,7 +259,11 @@ impl ModelArg {
 
     /// Loads the model on the chosen device, naming the path in any error.
     fn load_with(&self, backend: MatmulBackend) -> anyhow::Result<LoadedModel> {
-        Ok(LoadedModel::load_on(&self.path()?, self.target(backend)?)?)
+        Ok(LoadedModel::load_quantized(
+            &self.path()?,
+            self.target(backend)?,
+            self.quantize,
+        )?)
     }
 
     /// Where `--device` says the model computes, with `backend`'s kernels on a CPU.
@@ -266,6 +274,9 @@ impl ModelArg {
     /// The config file, with every model on `--device` when given.
     fn load_config(&self) -> anyhow::Result<Config> {
         let mut config = Config::load(&self.config)?;
+        if let Some(q) = self.quantize {
+            config.models.iter_mut().for_each(|m| m.quantize = Some(q));
+        }
         override_device(&mut config, self.device.as_deref())?;
         Ok(config)
     }

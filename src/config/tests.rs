@@ -238,6 +238,23 @@ fn random_weights_name_a_known_shape() {
     );
     let err = load_str(&one("qwen3-8b:q3_k")).unwrap_err().to_string();
     assert!(err.contains("q3_k"), "{err}");
+    let err = load_str(&format!("{}quantize = \"q4_0\"\n", one("qwen3-8b")))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("NAME:FORMAT"), "{err}");
+}
+
+#[test]
+fn quantize_names_a_format_our_kernels_multiply() {
+    let one =
+        |q: &str| format!("[[models]]\nname = \"a\"\npath = \"a.gguf\"\nquantize = \"{q}\"\n");
+    let config = load_str(&one("q4_1")).unwrap();
+    assert_eq!(
+        config.models[0].quantize,
+        Some(crate::model::Quantize::Q4_1)
+    );
+    let err = load_str(&one("q3_k")).unwrap_err().to_string();
+    assert!(err.contains("q3_k") && err.contains("q4_k"), "{err}");
 }
 
 #[test]

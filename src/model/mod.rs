@@ -13,6 +13,7 @@ pub mod kv_cache;
 
 pub mod profile;
 pub mod random;
+pub mod requantize;
 pub mod runner;
 pub mod safetensors;
 pub mod sampler;
@@ -33,6 +34,7 @@ pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use decoder::{ForwardOutput, Model};
 pub use error::{ModelError, Result};
 pub use kv_cache::{KvCache, KvDtype};
+pub use requantize::Quantize;
 pub use sampler::{Distribution, Sampler, SamplingParams};
 pub use tokenizer::{IncrementalDecoder, SpecialTokens};
 pub use weights::{gated_kernel, packed_kernel, MatmulBackend, OwnKernel, Weight, WeightSource};
@@ -80,13 +82,23 @@ impl LoadedModel {
 
     /// Loads with an explicit choice of quantized-matmul kernels.
     pub fn load_with(path: &Path, device: &Device, backend: MatmulBackend) -> Result<Self> {
-        Self::load_from(path, device, ComputeTarget::Cpu(backend), None)
+        Self::load_from(path, device, ComputeTarget::Cpu(backend), None, None)
     }
 
     /// Loads onto `target`: the file is read into host memory, then its weights are made
     /// ready for the target's kernels (repacked for the CPU's, uploaded as stored to a GPU).
     pub fn load_on(path: &Path, target: ComputeTarget) -> Result<Self> {
-        Self::load_from(path, &Device::Cpu, target, None)
+        Self::load_from(path, &Device::Cpu, target, None, None)
+    }
+
+    /// Loads onto `target` as [`Self::load_on`] does, with the layer matrices quantized to
+    /// `quantize` where that stores them in fewer bits ([`requantize`]).
+    pub fn load_quantized(
+        path: &Path,
+        target: ComputeTarget,
+        quantize: Option<Quantize>,
+    ) -> Result<Self> {
+        Self::load_from(path, &Device::Cpu, target, None, quantize)
     }
 
     /// A random-weight model of shape `random` (`NAME[:FORMAT]`, see [`random::parse`]) on
@@ -94,7 +106,7 @@ impl LoadedModel {
     /// whose tensors are not read, or a Hugging Face directory): for speed runs at a published
     /// model's size without its weights.
     pub fn load_random(path: &Path, random: &str, target: ComputeTarget) -> Result<Self> {
-        Self::load_from(path, &Device::Cpu, target, Some(random))
+        Self::load_from(path, &Device::Cpu, target, Some(random), None)
     }
 
     /// Drafts from the first `n` token ids only ([`Model::set_draft_vocab`]), reading that
@@ -115,15 +127,16 @@ impl LoadedModel {
         device: &Device,
         target: ComputeTarget,
         random: Option<&str>,
+        quantize: Option<Quantize>,
     ) -> Result<Self> {
         let meta = std::fs::metadata(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
             source,
         })?;
         if meta.is_dir() {
-            Self::load_hf_dir(path, device, target, random)
+            Self::load_hf_dir(path, device, target, random, quantize)
         } else {
-            Self::load_gguf(path, device, target, random)
+            Self::load_gguf(path, device, target, random, quantize)
         }
     }
 
@@ -145,6 +158,7 @@ impl LoadedModel {
         device: &Device,
         target: ComputeTarget,
         random: Option<&str>,
+        quantize: Option<Quantize>,
     ) -> Result<Self> {
         let mut file = gguf::GgufFile::open(path, device)?;
         // With its own weights, the file's config is checked first: a wrong architecture is
@@ -174,7 +188,13 @@ impl LoadedModel {
             None => None,
         };
         let model = match weights {
-            Weights::Own(config, ()) => Model::load_on(config, &mut file, target)?,
+            Weights::Own(config, ()) => {
+                let mut src = requantize::Requantized {
+                    inner: &mut file,
+                    to: quantize,
+                };
+                Model::load_on(config, &mut src, target)?
+            }
             Weights::Random(spec) => {
                 Self::random_weights(spec, tokenizer.get_vocab_size(true), target)?
             }
@@ -193,6 +213,7 @@ impl LoadedModel {
         device: &Device,
         target: ComputeTarget,
         random: Option<&str>,
+        quantize: Option<Quantize>,
     ) -> Result<Self> {
         // Random weights read only the tokenizer files.
         let weights = match random {
@@ -227,7 +248,13 @@ impl LoadedModel {
             None => None,
         };
         let model = match weights {
-            Weights::Own(config, mut st) => Model::load_on(config, &mut st, target)?,
+            Weights::Own(config, mut st) => {
+                let mut src = requantize::Requantized {
+                    inner: &mut st,
+                    to: quantize,
+                };
+                Model::load_on(config, &mut src, target)?
+            }
             Weights::Random(spec) => {
                 Self::random_weights(spec, tokenizer.get_vocab_size(true), target)?
             }

@@ -52,7 +52,7 @@ pub fn load_model(
                 .into(),
         )),
         Some(shape) => LoadedModel::load_random(&m.path, shape, target),
-        None => LoadedModel::load_on(&m.path, target).and_then(|mut lm| {
+        None => LoadedModel::load_quantized(&m.path, target, m.quantize).and_then(|mut lm| {
             if let Some(n) = draft_vocab {
                 lm.set_draft_vocab(n)?;
             }

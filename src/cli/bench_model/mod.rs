@@ -68,6 +68,11 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     if args.prompt_len == 0 || args.decode_steps == 0 {
         anyhow::bail!("--prompt-len and --decode-steps must be positive");
     }
+    if args.random.is_some() && args.model.quantize.is_some() {
+        anyhow::bail!(
+            "--quantize applies to a file's weights; with --random, give the format as NAME:FORMAT"
+        );
+    }
     // The model, and its name in the report.
     let load = |backend: MatmulBackend| -> anyhow::Result<(Model, String)> {
         Ok(match &args.random {
