@@ -325,10 +325,11 @@ mod zmm_pair {
         let mut sumi = [_mm512_setzero_si512(); T];
         for jj in 0..4 {
             let mut part = [[_mm512_setzero_si512(); T]; 2];
+            let subs = [&b[2 * jj], &b[2 * jj + 1]];
             for g in 0..8 {
-                for (h, part) in part.iter_mut().enumerate() {
+                for (h, (part, sub)) in part.iter_mut().zip(subs).enumerate() {
                     let j = 2 * jj + h;
-                    let wv = _mm512_load_si512(b[j][g].as_ptr() as *const __m512i);
+                    let wv = _mm512_load_si512(sub[g].as_ptr() as *const __m512i);
                     for i in 0..T {
                         let x = std::ptr::read_unaligned(
                             a[i].qs.as_ptr().add(32 * j + 4 * g) as *const i32
