@@ -92,11 +92,6 @@ impl<S: SimpleX8> Interleaved for S {
     }
 
     const ZMM_PAIR: bool = true;
-    /// More rows than one tile (prefills): products whose weights serve several tiles. The
-    /// 0.5B (Q5_0 layers, Q8_0 LM head) decoded batches of 4, 8 and 16 at 192–199, 257–292
-    /// and 316–354 tok/s with them from 4 rows, against 271–283, 327–335 and 337–369 without
-    /// (two alternated rounds), and prefilled 512 tokens 4 % faster with them.
-    const ZMM_PAIR_MIN_ROWS: usize = 17;
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn zmm_pair(

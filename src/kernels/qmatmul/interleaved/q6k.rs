@@ -130,10 +130,6 @@ impl Interleaved for BlockQ6Kx8 {
     /// A scale covers 16 values.
     const AMX_DEPTH: usize = 16;
     const ZMM_PAIR: bool = true;
-    /// As `AMX_MIN_ROWS` for Q4_K: the 1.5B (Q4_K and Q6_K layers) decoded batches of 8 and
-    /// 16 at 119–122 and 145–147 tok/s with the pairs from 4 rows, against 96–122 and 91–122
-    /// without, batches of 4 at 90–91 against 87–99 (two alternated rounds).
-    const ZMM_PAIR_MIN_ROWS: usize = 5;
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn zmm_pair(
