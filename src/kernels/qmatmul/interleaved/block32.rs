@@ -91,19 +91,7 @@ impl<S: SimpleX8> Interleaved for S {
         super::avx512_row::simple_row(w, acts, kb, sums)
     }
 
-    const ZMM_PAIR: bool = true;
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn zmm_pair(
-        w: [&[Self]; 2],
-        acts: &[ActBlock],
-        kb: usize,
-        rows: usize,
-        stream: bool,
-        sums: &mut [[f32; 16]; 16],
-    ) {
-        super::amx_tiles::zmm_pair_tile(w, acts, kb, rows, stream, sums)
-    }
+    zmm_pair!(super::amx_tiles::zmm_pair_tile);
 
     const AMX_MIN_ROWS: usize = S::AMX_MIN_ROWS;
     amx_pair!(super::amx_tiles::pair_tile);

@@ -141,6 +141,26 @@ macro_rules! amx_pair {
     };
 }
 
+/// A format's 512-bit pair tiles in its [`Interleaved`] impl: `ZMM_PAIR`, and `zmm_pair`
+/// calling `$tile` (same arguments).
+macro_rules! zmm_pair {
+    ($tile:path) => {
+        const ZMM_PAIR: bool = true;
+
+        #[cfg(target_arch = "x86_64")]
+        unsafe fn zmm_pair(
+            w: [&[Self]; 2],
+            acts: &[crate::kernels::qmatmul::interleaved::Act<Self>],
+            kb: usize,
+            rows: usize,
+            stream: bool,
+            sums: &mut [[f32; 16]; 16],
+        ) {
+            $tile(w, acts, kb, rows, stream, sums)
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod amx_tiles;
 #[cfg(target_arch = "x86_64")]

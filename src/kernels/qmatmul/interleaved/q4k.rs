@@ -116,19 +116,7 @@ impl Interleaved for BlockQ4Kx8 {
         zmm::row(w, acts, kb, sums)
     }
 
-    const ZMM_PAIR: bool = true;
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn zmm_pair(
-        w: [&[Self]; 2],
-        acts: &[ActBlockK],
-        kb: usize,
-        rows: usize,
-        stream: bool,
-        sums: &mut [[f32; 16]; 16],
-    ) {
-        zmm_pair::tile(w, acts, kb, rows, stream, sums)
-    }
+    zmm_pair!(zmm_pair::tile);
 
     amx_pair!(amx::pair_tile);
 }
