@@ -91,10 +91,10 @@ impl<S: SimpleX8> Interleaved for S {
         super::avx512_row::simple_row(w, acts, kb, sums)
     }
 
-    zmm_pair!(super::amx_tiles::zmm_pair_tile);
+    pair_tiles!(ZMM_PAIR, zmm_pair, super::amx_tiles::zmm_pair_tile);
 
     const AMX_MIN_ROWS: usize = S::AMX_MIN_ROWS;
-    amx_pair!(super::amx_tiles::pair_tile);
+    pair_tiles!(AMX, amx_pair, super::amx_tiles::pair_tile);
 }
 
 /// Eight Q4_0 blocks: values `0..15`, less 8.

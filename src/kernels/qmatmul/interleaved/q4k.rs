@@ -116,9 +116,9 @@ impl Interleaved for BlockQ4Kx8 {
         zmm::row(w, acts, kb, sums)
     }
 
-    zmm_pair!(zmm_pair::tile);
+    pair_tiles!(ZMM_PAIR, zmm_pair, zmm_pair::tile);
 
-    amx_pair!(amx::pair_tile);
+    pair_tiles!(AMX, amx_pair, amx::pair_tile);
 }
 
 /// Q4_K through AMX tiles (see `interleaved::amx_tiles`): a super-block's eight sub-blocks are a stretch,

@@ -129,9 +129,9 @@ impl Interleaved for BlockQ6Kx8 {
 
     /// A scale covers 16 values.
     const AMX_DEPTH: usize = 16;
-    zmm_pair!(zmm_pair::tile);
+    pair_tiles!(ZMM_PAIR, zmm_pair, zmm_pair::tile);
 
-    amx_pair!(amx::pair_tile);
+    pair_tiles!(AMX, amx_pair, amx::pair_tile);
 }
 
 /// Q6_K on 512-bit registers, one activation row (see `interleaved::avx512_row`): a register holds the same
