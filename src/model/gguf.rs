@@ -79,12 +79,15 @@ impl GgufFile {
                     "tensor '{name}' has {elems} elements, not a multiple of its {dtype:?} block size"
                 )));
             }
-            let bytes = (elems / dtype.block_size()) as u64 * dtype.type_size() as u64;
-            let end = self
-                .content
-                .tensor_data_offset
-                .checked_add(info.offset)
-                .and_then(|start| start.checked_add(bytes))
+            // Each step may overflow on a crafted file; an overflow is past any file's end.
+            let end = ((elems / dtype.block_size()) as u64)
+                .checked_mul(dtype.type_size() as u64)
+                .and_then(|bytes| {
+                    self.content
+                        .tensor_data_offset
+                        .checked_add(info.offset)?
+                        .checked_add(bytes)
+                })
                 .unwrap_or(u64::MAX);
             if end > file_len {
                 return Err(self.format_error(format!(
