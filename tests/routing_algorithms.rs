@@ -516,9 +516,16 @@ fn speculative_decoding_gives_the_llms_greedy_output_in_every_mode() {
                 }
                 let accepted = got.iter().flatten().filter(|t| t.model == 0).count();
                 let own = got.iter().flatten().filter(|t| t.model == 1).count();
+                // "auto" prices drafts by this machine's timings of the tiny pair, which may
+                // make one draft per verification the best: it drafts, at some length.
+                let drafted_enough = if draft == "3" {
+                    accepted > own
+                } else {
+                    accepted > 0
+                };
                 if name == "draft" {
                     assert!(
-                        accepted > own && own > 0,
+                        drafted_enough && own > 0,
                         "draft_tokens {draft}, mode {mode}: {accepted} accepted drafts, {own} LLM tokens"
                     );
                 }

@@ -1,6 +1,6 @@
 //! Measuring a model on this machine. Serving needs the decode-step latency per batch size
-//! (the throughput model's input, measured at start-up for `thresholds = "auto"`) and a warm-up
-//! pass; `bench-model`'s reporting API ([`measure`], [`Throughput`], [`Workload`]) is public
+//! (the throughput model's input, measured at start-up for `thresholds = "auto"`), the cost of
+//! a step by its rows (for algorithms that price multi-row steps) and a warm-up pass; `bench-model`'s reporting API ([`measure`], [`Throughput`], [`Workload`]) is public
 //! only with the `profiling` feature (on by default; a server built without it has neither
 //! that API nor the command).
 
@@ -11,12 +11,15 @@ pub use measure::{measure, measure_with, Throughput, Workload};
 #[cfg(not(feature = "profiling"))]
 use measure::{measure, Workload};
 
+use std::time::Instant;
+
+use super::batch::SeqInput;
 use super::error::Result;
 use super::kv_cache::KvDtype;
-use super::runner::{step, Sequence};
+use super::runner::{logits_row, step, Sequence};
 use super::Model;
 use crate::scheduler::BlockPool;
-use crate::tuning::StepLatencies;
+use crate::tuning::{RowCosts, StepLatencies};
 
 /// One prefill and one decode step before timing: thread-pool start-up, scratch buffers and
 /// (for the matrices candle multiplies) weight repacking happen lazily on first use and would
@@ -65,6 +68,46 @@ pub fn step_latencies(model: &Model, max_batch: usize, kv_dtype: KvDtype) -> Res
     })
 }
 
+/// What a step of one sequence with a short context costs `model` by its rows
+/// ([`RowCosts`]): a one-row step against one of `rows` rows that reads the logits of every
+/// row (a verification's shape), at the same positions, the fastest of five of each (the
+/// first pass of a shape may pay for set-up, and a noisy machine only ever adds time).
+pub fn row_costs(model: &Model, rows: usize, kv_dtype: KvDtype) -> Result<RowCosts> {
+    const CONTEXT: usize = 32;
+    let rows = rows.max(2);
+    let mut kv = model.kv_cache_for(16, CONTEXT + rows, kv_dtype)?;
+    // The cache holds this one sequence: its blocks in order.
+    let blocks: Vec<u32> = (0..kv.num_blocks() as u32).collect();
+    let vocab = (model.config().vocab_size as u32).min(10_000);
+    let tokens: Vec<u32> = (0..(CONTEXT + rows) as u32)
+        .map(|i| (7 * i + 3) % vocab)
+        .collect();
+    let mut pass = |start: usize, len: usize| -> Result<f64> {
+        let input = SeqInput {
+            tokens: &tokens[start..start + len],
+            start_pos: start,
+            blocks: &blocks,
+            logits: len,
+        };
+        let started = Instant::now();
+        let out = model.forward(&[input], &mut kv, false)?;
+        // Reading a row back waits for a device's queued work.
+        logits_row(&out.logits, 0)?;
+        Ok(started.elapsed().as_secs_f64())
+    };
+    pass(0, CONTEXT)?;
+    let (mut one, mut many) = (f64::MAX, f64::MAX);
+    for _ in 0..5 {
+        // Each pass rewrites the cache positions from CONTEXT on.
+        one = one.min(pass(CONTEXT, 1)?);
+        many = many.min(pass(CONTEXT, rows)?);
+    }
+    Ok(RowCosts {
+        step_s: one,
+        row_s: ((many - one) / (rows - 1) as f64).max(0.0),
+    })
+}
+
 /// Linear interpolation between measured `(batch, seconds)` points (sorted by batch).
 fn interpolate(points: &[(usize, f64)], n: usize) -> f64 {
     let upper = points
@@ -88,5 +131,22 @@ mod tests {
         assert_eq!(interpolate(&points, 1), 0.1);
         assert!((interpolate(&points, 3) - 0.25).abs() < 1e-12);
         assert_eq!(interpolate(&points, 4), 0.3);
+    }
+
+    /// Timings are the machine's, so only their form is checked: a one-row step takes time,
+    /// further rows add a finite share each, and a context longer than a block is no problem.
+    #[test]
+    fn row_costs_time_one_row_and_many() {
+        use crate::model::random::{shape, RandomSource};
+        use crate::model::{ComputeTarget, MatmulBackend};
+        let mut config = shape("qwen3-0.6b").unwrap();
+        config.num_layers = 1;
+        config.vocab_size = 512;
+        let mut src = RandomSource::new(&config, candle_core::quantized::GgmlDType::Q8_0, 3);
+        let target = ComputeTarget::Cpu(MatmulBackend::Native);
+        let model = Model::load_on(config, &mut src, target).unwrap();
+        let costs = row_costs(&model, 9, KvDtype::default()).unwrap();
+        assert!(costs.step_s > 0.0 && costs.step_s.is_finite(), "{costs:?}");
+        assert!(costs.row_s >= 0.0 && costs.row_s.is_finite(), "{costs:?}");
     }
 }

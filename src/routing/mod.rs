@@ -45,6 +45,7 @@ pub use single::SingleModel;
 pub use speculative::Speculative;
 
 use crate::config::{Config, DraftTokens, Role, RoutingConfig};
+pub use crate::tuning::RowCosts;
 
 /// A model's position in `[[models]]`.
 pub type ModelIndex = usize;
@@ -213,6 +214,15 @@ pub trait RoutingAlgorithm: Send + Sync {
     fn receive(&self, _arrival: &Arrival) -> Resume {
         Resume::Extend
     }
+
+    /// Where the algorithm prices its choices by what steps cost on this machine: the rows of
+    /// the multi-row step to time each model at ([`RowCosts`]), measured once at start-up.
+    fn priced_rows(&self) -> Option<usize> {
+        None
+    }
+
+    /// The measured costs, per model (`None` for a model not measured here: a remote one).
+    fn price(&self, _costs: &[Option<RowCosts>]) {}
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -294,7 +304,10 @@ pub fn build(
                     // A verification computes k + 1 positions in one step.
                     let budget = config.scheduler.max_batch_tokens.saturating_sub(1);
                     let max = speculative::MAX_AUTO_DRAFT.min(budget);
-                    speculative::DraftLength::Auto { cost, max }
+                    speculative::DraftLength::Auto {
+                        prices: speculative::DraftPrices::unmeasured(cost),
+                        max,
+                    }
                 }
             };
             Arc::new(Speculative::new(pair, draft))

@@ -39,6 +39,16 @@ pub struct StepLatencies {
     pub extend_token: f64,
 }
 
+/// What one step of a single sequence costs a model, by its rows: the price of a
+/// verification of `k` drafts (`k + 1` rows) is `step_s + k · row_s`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowCosts {
+    /// Seconds of a one-row step (a decode).
+    pub step_s: f64,
+    /// Seconds each further row adds to that step (an extend's rows past the first).
+    pub row_s: f64,
+}
+
 /// What the chain needs to know about the system.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChainInputs {

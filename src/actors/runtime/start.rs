@@ -8,7 +8,7 @@ use crate::config::{DeviceSpec, Role, RoutingConfig, ThresholdSource};
 use crate::kernels::parallel::{
     available_cores, install, pin_current_thread, process_cores, with_pool, ComputePool,
 };
-use crate::model::profile::{step_latencies, warm_up};
+use crate::model::profile::{row_costs, step_latencies, warm_up};
 use crate::model::{ComputeTarget, MatmulBackend};
 use crate::scheduler::{Admission, DeviceQueue};
 use crate::tuning::online::{LatencyProfile, OnlineThresholds, MAX_TUNED_CONCURRENCY};
@@ -315,6 +315,19 @@ pub(super) fn start_local(
         with_pool(pool, || warm_up(&model.model)).map_err(|e| model_error(k, e))?;
     }
     let profile = online_profile(config, locals, &pools)?;
+    if let Some(rows) = router.priced_rows() {
+        let mut costs = vec![None; config.models.len()];
+        for (k, (model, pool)) in models.iter().zip(&pools).enumerate() {
+            let measured = with_pool(pool, || {
+                row_costs(&model.model, rows, config.kv_cache.dtype)
+            })
+            .map_err(|e| model_error(k, e))?;
+            tracing::info!(model = %entry(k).name, rows, step_ms = measured.step_s * 1e3,
+                row_ms = measured.row_s * 1e3, "step cost by rows");
+            costs[locals[k].0] = Some(measured);
+        }
+        router.price(&costs);
+    }
     let health: Vec<_> = models
         .iter()
         .map(|_| Arc::new(AtomicBool::new(true)))
