@@ -25,6 +25,7 @@
 //! on a CPU each costs a fifth of a decode step or more. Until then `c` is the models'
 //! weight-byte ratio (decoding is memory-bound) and `r`, `r_d` are 0.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use super::{route_rows, BatchFeatures, FeatureNeeds, ModelIndex, Pair, Route, RowCosts};
@@ -75,6 +76,9 @@ pub struct Speculative {
     draft: DraftLength,
     /// [`DraftLength::Auto`]'s prices as measured on this machine.
     measured: OnceLock<DraftPrices>,
+    /// Requests in the verifier's latest step: where that batch stops drafts, a new request
+    /// starts on the verifier rather than prefilling its prompt on both models.
+    verifier_batch: AtomicUsize,
 }
 
 impl Speculative {
@@ -83,6 +87,7 @@ impl Speculative {
             pair,
             draft,
             measured: OnceLock::new(),
+            verifier_batch: AtomicUsize::new(0),
         }
     }
 
@@ -141,7 +146,13 @@ impl RoutingAlgorithm for Speculative {
     }
 
     fn first_model(&self, _prompt: &[u32]) -> ModelIndex {
-        self.pair.slm
+        let batch = self.verifier_batch.load(Ordering::Relaxed);
+        // A new request's acceptance is the prior.
+        if batch > 0 && self.draft_length(&Speculation::default(), batch) == 0 {
+            self.pair.llm
+        } else {
+            self.pair.slm
+        }
     }
 
     fn route(
@@ -151,6 +162,9 @@ impl RoutingAlgorithm for Speculative {
         batch: &[StepView],
         out: &mut Vec<Route>,
     ) {
+        if model == self.pair.llm {
+            self.verifier_batch.store(batch.len(), Ordering::Relaxed);
+        }
         route_rows(batch, out, |_, step| {
             let k = self.draft_length(&step.speculation, batch.len());
             if model == self.pair.slm {
@@ -321,7 +335,10 @@ mod tests {
             send: true,
         };
         assert!(out.iter().all(|r| *r == sent), "{out:?}");
+        // While the verifier's batch is that large, new requests start on it.
+        assert_eq!(algo.first_model(&[1, 2]), 1);
         algo.route(1, &BatchFeatures::default(), &[view(1)], &mut out);
         assert_eq!(out, [Route::Move(0)]);
+        assert_eq!(algo.first_model(&[1, 2]), 0);
     }
 }
