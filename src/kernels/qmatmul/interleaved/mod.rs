@@ -105,11 +105,10 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
     const ZMM_PAIR: bool = false;
     /// The fewest activation rows a product takes the 512-bit pair tiles for (with
     /// [`Isa::Avx512Vnni`]); fewer take the 256-bit tiles. None yet, for every format: on
-    /// Zen 4 the 1.5B prefilled 512 tokens of one sequence 22–36 % faster with Q4_K and Q6_K
-    /// from 5 rows, but 16 sequences of 128 tokens 38–48 % slower and their decode steps
-    /// 29–42 % slower, and served 16 clients at 48 against 83–90 tok/s (alternated in one
-    /// binary; docs/perf-notes/prefill-zen4.md). Until what slows them beside longer contexts
-    /// is known, they are reached only directly (the kernel tests).
+    /// one Zen 4 VM the same code prefilled one sequence 22–36 % faster than the 256-bit
+    /// tiles in one sitting and half as fast in the next, and was slower in serving in both
+    /// (docs/perf-notes/prefill-zen4.md). Until what they depend on is known, they are
+    /// reached only directly (the kernel tests).
     const ZMM_PAIR_MIN_ROWS: usize = usize::MAX;
     /// As [`amx_pair`](Self::amx_pair), on AVX-512 VNNI's 512-bit registers: the same bits.
     ///
