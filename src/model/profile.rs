@@ -1,8 +1,9 @@
 //! Measuring a model on this machine. Serving needs the decode-step latency per batch size
 //! (the throughput model's input, measured at start-up for `thresholds = "auto"`), the cost of
-//! a step by its rows (for algorithms that price multi-row steps) and a warm-up pass; `bench-model`'s reporting API ([`measure`], [`Throughput`], [`Workload`]) is public
-//! only with the `profiling` feature (on by default; a server built without it has neither
-//! that API nor the command).
+//! a step by its rows (for algorithms that price multi-row steps) and a warm-up pass;
+//! `bench-model`'s reporting API ([`measure`], [`Throughput`], [`Workload`]) is public only
+//! with the `profiling` feature (on by default; a server built without it has neither that
+//! API nor the command).
 
 mod measure;
 

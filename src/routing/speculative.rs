@@ -20,10 +20,10 @@
 //! verifier decoding alone (one token per step of `B` rows): where the batch makes verified
 //! rows cost more than they save (a busy CPU, whose batched decode already shares the weight
 //! reads) the request stays on the verifier until the batch shrinks. A poor acceptance alone
-//! shortens the drafts to one but never stops them, or it would never be measured again. The runtime times both
-//! models at start-up ([`RoutingAlgorithm::price`]): on a GPU rows are nearly free (`r` ≈ 0),
-//! on a CPU each costs a fifth of a decode step or more. Until then `c` is the models'
-//! weight-byte ratio (decoding is memory-bound) and `r`, `r_d` are 0.
+//! shortens the drafts to one but never stops them, or it would never be measured again.
+//! The runtime times both models at start-up ([`RoutingAlgorithm::price`]): on a GPU rows
+//! are nearly free (`r` ≈ 0), on a CPU each costs a fifth of a decode step or more. Until
+//! then `c` is the models' weight-byte ratio (decoding is memory-bound) and `r`, `r_d` are 0.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -104,15 +104,11 @@ impl Speculative {
     }
 }
 
-/// The acceptance below which a poor measured acceptance still drafts (see
-/// [`best_draft_length`]): [`Speculation::acceptance`]'s prior.
-const PRIOR_ACCEPTANCE: f64 = 0.75;
-
 /// The number of drafts with the most expected tokens per unit of time (see the module's
 /// text) for acceptance `a` and a batch of `batch` requests: 0 where none pays even at an
-/// acceptance of at least [`PRIOR_ACCEPTANCE`] (the batch's cost alone decides that: a
-/// request that stopped drafting for its acceptance would never measure it again), else the
-/// best in `1..=max`.
+/// acceptance of at least the prior's (a new request's [`Speculation::acceptance`]: the
+/// batch's cost alone decides that, since a request that stopped drafting for its
+/// acceptance would never measure it again), else the best in `1..=max`.
 fn best_draft_length(a: f64, prices: &DraftPrices, batch: usize, max: usize) -> usize {
     let b = batch.max(1) as f64;
     let best = |a: f64, ks: std::ops::RangeInclusive<usize>| {
@@ -126,7 +122,7 @@ fn best_draft_length(a: f64, prices: &DraftPrices, batch: usize, max: usize) -> 
         };
         ks.max_by(|&x, &y| rate(x).total_cmp(&rate(y))).unwrap_or(0)
     };
-    if best(a.max(PRIOR_ACCEPTANCE), 0..=max) == 0 {
+    if best(a.max(Speculation::default().acceptance()), 0..=max) == 0 {
         0
     } else {
         best(a, 1..=max.max(1))
