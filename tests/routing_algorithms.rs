@@ -279,6 +279,18 @@ fn a_bad_router_file_stops_start_up_with_the_file_named() {
     );
 }
 
+/// `train-router` flags for heads the size of the tiny pair's.
+const TINY_HEADS: [&str; 8] = [
+    "--top-k",
+    "10",
+    "--logits-dim",
+    "4",
+    "--width",
+    "16",
+    "--blocks",
+    "1",
+];
+
 /// `train-router` end to end on the tiny pair: reads a corpus, writes a head of each kind
 /// with its threshold and report, and the heads serve: a runtime starts with each of them.
 #[test]
@@ -300,27 +312,9 @@ fn train_router_writes_heads_that_serve() {
         .arg(&config_path)
         .arg("--corpus")
         .arg(&corpus)
-        .args([
-            "--texts",
-            "8",
-            "--text-tokens",
-            "24",
-            "--epochs",
-            "3",
-            "--top-k",
-            "10",
-        ])
-        .args([
-            "--logits-dim",
-            "4",
-            "--width",
-            "16",
-            "--blocks",
-            "1",
-            "--name",
-            "tiny",
-            "--out",
-        ])
+        .args(["--texts", "8", "--text-tokens", "24", "--epochs", "3"])
+        .args(TINY_HEADS)
+        .args(["--name", "tiny", "--out"])
         .arg(pair.dir.path().join("routers"))
         .output()
         .unwrap();
@@ -340,7 +334,7 @@ fn train_router_writes_heads_that_serve() {
             serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         let report = config.report.as_ref().expect("a training report");
         assert!(report["recall"].as_f64().unwrap() >= 0.0);
-        assert!(report["share_thresholds"].as_object().unwrap().len() == 3);
+        assert!(report["share_thresholds"].as_object().unwrap().len() == 4);
         assert!((0.0..=1.0).contains(&config.threshold));
         let algorithm = kind.replace('_', "-");
         let routing = format!("[routing]\nalgorithm = \"{algorithm}\"\nrouter = \"routers/tiny-{kind}.safetensors\"\n");
@@ -358,6 +352,75 @@ fn train_router_writes_heads_that_serve() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--corpus"));
+}
+
+/// `train-router --prompts`: the SLM completes the prompts, the completions are labelled
+/// against the LLM and kept in the cache (a second run reads them instead of running the
+/// models), heads are written with thresholds measured on held-out completions, and a
+/// malformed prompts file is refused with its line.
+#[test]
+fn train_router_learns_from_the_slms_completions_and_caches_them() {
+    let pair = tiny_pair();
+    let dir = pair.dir.path();
+    let lines: String = (0..10)
+        .map(|i| {
+            format!("{{\"prompt\": \"def f{i}(x):\\n    \\\"\\\"\\\"Add {i}.\\\"\\\"\\\"\\n\"}}\n")
+        })
+        .collect();
+    std::fs::write(dir.join("prompts.jsonl"), lines).unwrap();
+    config(dir, "");
+    let train = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_tokenrouter"))
+            .args(["train-router", "--config"])
+            .arg(dir.join("config.toml"))
+            .arg("--prompts")
+            .arg(dir.join("prompts.jsonl"))
+            .args(["--texts", "8", "--max-new", "12", "--horizon", "4"])
+            .args(["--epochs", "3"])
+            .args(TINY_HEADS)
+            .args(["--kinds", "r2r,co_llm", "--name", "gen", "--cache"])
+            .arg(dir.join("cache"))
+            .arg("--out")
+            .arg(dir.join("routers"))
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let first = train(&[]);
+    let stderr = String::from_utf8_lossy(&first.stderr);
+    assert!(first.status.success(), "{stderr}");
+    assert!(stderr.contains("collected 8 completions"), "{stderr}");
+    let second = train(&[]);
+    let again = String::from_utf8_lossy(&second.stderr);
+    assert!(second.status.success(), "{again}");
+    assert!(again.contains("read 8 completions"), "{again}");
+    // Other labels are other data.
+    let third = train(&["--labels", "disagreement"]);
+    assert!(String::from_utf8_lossy(&third.stderr).contains("collected 8 completions"));
+    for kind in ["r2r", "co_llm"] {
+        let json = dir.join(format!("routers/gen-{kind}.json"));
+        let config: HeadConfig =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let report = config.report.expect("a training report");
+        let shares = report["shares"].as_object().unwrap();
+        assert_eq!(shares.len(), 4);
+        for m in shares.values() {
+            assert!((0.0..=1.0).contains(&m["routed"].as_f64().unwrap()), "{m}");
+        }
+        assert!(report["test_positions"].as_u64().unwrap() > 0);
+    }
+    let routing = "[routing]\nalgorithm = \"r2r\"\nrouter = \"routers/gen-r2r.safetensors\"\n";
+    assert_eq!(run_all(&pair, routing, "eager").len(), prompts().len());
+    // A line that is not a prompt is named.
+    std::fs::write(
+        dir.join("prompts.jsonl"),
+        "{\"prompt\": \"a\"}\n{\"text\": 1}\n",
+    )
+    .unwrap();
+    let bad = train(&[]);
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("prompts.jsonl:2"), "{stderr}");
 }
 
 /// Probability of the most likely token, in f64.

@@ -1,0 +1,105 @@
+//! Thresholds for a trained head: picked on the calibration positions' scores (for a target
+//! recall and for target shares of LLM tokens), and measured on the test positions'.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::TARGET_SHARES;
+use crate::routing::head::HeadKind;
+
+/// A threshold picked on the calibration positions, and what it does on the test positions.
+#[derive(Debug, Clone, Serialize)]
+pub struct Measured {
+    pub threshold: f32,
+    /// Share of test tokens it sends to the LLM.
+    pub routed: f64,
+    pub precision: f64,
+    pub recall: f64,
+}
+
+/// Scores of one kind of head with their labels.
+pub(super) struct Scored {
+    pub kind: HeadKind,
+    pub scores: Vec<f32>,
+    pub labels: Vec<bool>,
+}
+
+impl Scored {
+    /// What `threshold` does to these positions.
+    pub fn measure(&self, threshold: f32) -> Measured {
+        let deferred: Vec<bool> = self
+            .scores
+            .iter()
+            .map(|&s| self.kind.defers(s, threshold))
+            .collect();
+        let hits = deferred
+            .iter()
+            .zip(&self.labels)
+            .filter(|(d, l)| **d && **l)
+            .count();
+        let routed = deferred.iter().filter(|d| **d).count();
+        let positives = self.labels.iter().filter(|l| **l).count();
+        Measured {
+            threshold,
+            routed: routed as f64 / self.scores.len().max(1) as f64,
+            precision: hits as f64 / routed.max(1) as f64,
+            recall: hits as f64 / positives.max(1) as f64,
+        }
+    }
+}
+
+/// Thresholds picked on calibration scores.
+pub(super) struct Thresholds {
+    pub recall: f32,
+    pub shares: BTreeMap<String, f32>,
+}
+
+impl Thresholds {
+    pub fn pick(kind: HeadKind, scores: &[f32], labels: &[bool], target_recall: f64) -> Self {
+        // Deferring scores first: descending for R2R / Co-LLM, ascending for CITER.
+        let order = |mut v: Vec<f32>| {
+            v.sort_by(|a, b| match kind {
+                HeadKind::Citer => a.total_cmp(b),
+                _ => b.total_cmp(a),
+            });
+            v
+        };
+        let positive = order(
+            labels
+                .iter()
+                .zip(scores)
+                .filter(|(l, _)| **l)
+                .map(|(_, s)| *s)
+                .collect(),
+        );
+        let need = (positive.len() as f64 * target_recall).ceil() as usize;
+        let all = order(scores.to_vec());
+        Self {
+            recall: threshold_for_count(kind, &positive, need),
+            shares: TARGET_SHARES
+                .iter()
+                .map(|&share| {
+                    let count = (all.len() as f64 * share).round() as usize;
+                    (
+                        format!("{share:.2}"),
+                        threshold_for_count(kind, &all, count),
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The threshold at which the first `count` of `ordered` defer (scores ordered so that
+/// deferring ones come first).
+fn threshold_for_count(kind: HeadKind, ordered: &[f32], count: usize) -> f32 {
+    if ordered.is_empty() {
+        return 0.5;
+    }
+    let s = ordered[count.clamp(1, ordered.len()) - 1];
+    match kind {
+        HeadKind::Citer => s + 1e-6,
+        _ => s - 1e-6,
+    }
+}
