@@ -14,7 +14,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tokenrouter::actors::load_models;
 use tokenrouter::config::{Config, Role};
-use tokenrouter::model::LoadedModel;
+use tokenrouter::model::{LoadedModel, MatmulBackend};
 use tokenrouter::routing::head::{HeadConfig, HeadKind};
 use tokenrouter::routing::train::generated::{collect_generated, CollectSettings, Labels};
 use tokenrouter::routing::train::{cache, collect, train, Dataset, Measured, TrainSettings};
@@ -167,10 +167,7 @@ fn chunks(
     out
 }
 
-pub fn run(
-    args: TrainRouterArgs,
-    backend: tokenrouter::model::MatmulBackend,
-) -> anyhow::Result<()> {
+pub fn run(args: TrainRouterArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     let kinds: Vec<HeadKind> = args
         .kinds
         .iter()
@@ -186,7 +183,10 @@ pub fn run(
         "disagreement" => Labels::Disagreement,
         other => anyhow::bail!("--labels: '{other}' is not continuation or disagreement"),
     };
-    let config = Config::load(&args.config)?;
+    let mut config = Config::load(&args.config)?;
+    // The heads serve the routing they are trained for, not this config's: in particular, no
+    // model is loaded as a drafter over part of its vocabulary.
+    config.routing = Default::default();
     let (Some(slm), Some(llm)) = (config.role_index(Role::Slm), config.role_index(Role::Llm))
     else {
         anyhow::bail!(
@@ -200,7 +200,10 @@ pub fn run(
     let models = load_models(&config, backend)?;
     let data = match &args.prompts {
         Some(path) => {
-            let identity = [model_identity(&config, slm), model_identity(&config, llm)];
+            let identity = [
+                model_identity(&config, slm, backend),
+                model_identity(&config, llm, backend),
+            ];
             from_prompts(&args, path, labels, &models[slm], &models[llm], identity)?
         }
         None => from_corpus(&args, &models[slm], &models[llm])?,
@@ -270,13 +273,14 @@ pub fn run(
     Ok(())
 }
 
-/// What a model's collected data depends on: its configuration and its file as it is now.
-fn model_identity(config: &Config, i: usize) -> String {
+/// What a model's collected data depends on: its configuration, its file as it is now and
+/// the kernels it runs on.
+fn model_identity(config: &Config, i: usize, backend: MatmulBackend) -> String {
     let spec = &config.models[i];
     let file = std::fs::metadata(&spec.path)
         .map(|m| format!("{} bytes, modified {:?}", m.len(), m.modified().ok()))
         .unwrap_or_default();
-    format!("{spec:?} {file}")
+    format!("{spec:?} {file} {backend:?}")
 }
 
 /// Rows from chunks of existing text both models read.

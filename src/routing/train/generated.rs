@@ -189,12 +189,10 @@ pub fn append_completion(
         KvDtype::default(),
     )?;
     let (llm_logits, _) = last_rows(llm, &text, rows + 1, false, Some(&mut kv))?;
-    let mut greedy = Vec::with_capacity(rows);
     let mut differ = Vec::new();
-    for r in 0..rows {
-        let s = argmax(&slm_logits[r * slm_vocab..r * slm_vocab + vocab]);
+    // Against the token the SLM wrote (a near-tie may break the other way in a full pass).
+    for (r, &s) in completion.iter().enumerate() {
         let l = argmax(&llm_logits[r * llm_vocab..r * llm_vocab + vocab]);
-        greedy.push(s);
         if s != l {
             differ.push((first + r, s, l));
         }
@@ -240,7 +238,7 @@ pub fn append_completion(
         slm,
         &slm_logits[..rows * slm_vocab],
         &hidden[..rows * slm.config().hidden_size],
-        &greedy,
+        completion,
         &row_labels,
         text_id,
     )?;

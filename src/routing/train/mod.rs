@@ -300,6 +300,11 @@ pub fn train(
         config.top_k = config.top_k.min(data.top_k);
     }
     let [train_rows, calibration_rows, test_rows] = split(data, settings.holdout, settings.seed);
+    if train_rows.is_empty() {
+        return Err(TrainError::Data(
+            "one text cannot be both trained on and held out: give at least two".into(),
+        ));
+    }
     let (head, vars) = RouterHead::init(config.clone(), settings.seed)?;
     let positives = train_rows
         .iter()
@@ -506,6 +511,20 @@ mod tests {
             report.recall >= 0.95 && report.precision > 0.5,
             "{report:?}"
         );
+    }
+
+    #[test]
+    fn one_text_is_refused_rather_than_trained_on_nothing() {
+        let data = separable(8, 6);
+        assert!(data.text.iter().all(|&t| t == 0));
+        let err = train(
+            HeadConfig::new(HeadKind::CoLlm, 6),
+            &data,
+            &TrainSettings::default(),
+        )
+        .err()
+        .expect("one text is refused");
+        assert!(err.to_string().contains("at least two"), "{err}");
     }
 
     #[test]
