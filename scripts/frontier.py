@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""The quality-speed frontier from scripts/eval-routing.sh's runs: a Markdown table and an SVG
+plot of pass@1 against output tokens per second, one point per configuration.
+
+For each run: pass@1 with its 95 % Wilson interval, the paired difference to the LLM alone
+on the same problems with an exact McNemar p-value, the share of the LLM-over-SLM gap it
+recovers, its LLM token share and its output tok/s.
+
+Usage: frontier.py [--runs runs] [--table docs/frontier.md] [--plot docs/frontier.svg]
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+
+# Plot colours by algorithm family (the label's first word).
+COLOURS = {
+    "llm": "#d62728", "slm": "#1f77b4", "query": "#7f7f7f", "r": "#9467bd",
+    "r2r": "#2ca02c", "citer": "#ff7f0e", "co": "#8c564b", "speculative": "#e377c2",
+}
+
+
+def wilson(passed, n, z=1.96):
+    if n == 0:
+        return 0.0, 0.0
+    p = passed / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def mcnemar(b, c):
+    """Two-sided exact McNemar p-value for b and c discordant pairs."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def load(runs):
+    out = {}
+    for path in sorted(glob.glob(os.path.join(runs, "*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        if "summary" in data and "results" in data:
+            out[data["summary"]["label"]] = data
+    return out
+
+
+def family(label):
+    return label.split("-")[0]
+
+
+def svg(rows, path):
+    w, h, m = 720, 440, 60
+    xs = [r["tok_s"] for r in rows]
+    ys = [r["pass"] for r in rows]
+    x0, x1 = 0.0, max(xs) * 1.1
+    y0, y1 = max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.05)
+    px = lambda x: m + (x - x0) / (x1 - x0) * (w - 2 * m)
+    py = lambda y: h - m - (y - y0) / (y1 - y0) * (h - 2 * m)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+             f'font-family="sans-serif" font-size="11">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="black"/>',
+             f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="black"/>',
+             f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">output tok/s (all requests)</text>',
+             f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" '
+             f'text-anchor="middle">HumanEval pass@1</text>']
+    for i in range(6):
+        x = x0 + (x1 - x0) * i / 5
+        y = y0 + (y1 - y0) * i / 5
+        parts.append(f'<text x="{px(x):.0f}" y="{h - m + 15}" text-anchor="middle">{x:.0f}</text>')
+        parts.append(f'<text x="{m - 5}" y="{py(y) + 4:.0f}" text-anchor="end">{y:.2f}</text>')
+    for r in rows:
+        colour = COLOURS.get(family(r["label"]), "black")
+        lo, hi = r["interval"]
+        parts.append(f'<line x1="{px(r["tok_s"]):.1f}" y1="{py(max(lo, y0)):.1f}" '
+                     f'x2="{px(r["tok_s"]):.1f}" y2="{py(min(hi, y1)):.1f}" stroke="{colour}" '
+                     f'stroke-opacity="0.35"/>')
+        parts.append(f'<circle cx="{px(r["tok_s"]):.1f}" cy="{py(r["pass"]):.1f}" r="4" '
+                     f'fill="{colour}"/>')
+        parts.append(f'<text x="{px(r["tok_s"]) + 6:.1f}" y="{py(r["pass"]) - 4:.1f}" '
+                     f'fill="{colour}">{r["label"]} ({100 * r["share"]:.0f} %)</text>')
+    parts.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default="runs")
+    parser.add_argument("--table", default="docs/frontier.md")
+    parser.add_argument("--plot", default="docs/frontier.svg")
+    args = parser.parse_args()
+    runs = load(args.runs)
+    if "llm" not in runs or "slm" not in runs:
+        sys.exit(f"frontier: {args.runs} needs llm.json and slm.json (scripts/eval-routing.sh)")
+    llm = {r["task_id"]: r["passed"] for r in runs["llm"]["results"]}
+    slm_pass = runs["slm"]["summary"]["pass@1"]
+    llm_pass = runs["llm"]["summary"]["pass@1"]
+    rows = []
+    for label, data in runs.items():
+        results = data["results"]
+        passed = sum(r["passed"] for r in results)
+        n = len(results)
+        b = sum(1 for r in results if llm.get(r["task_id"]) and not r["passed"])
+        c = sum(1 for r in results if r["passed"] and llm.get(r["task_id"]) is False)
+        gap = llm_pass - slm_pass
+        rows.append({
+            "label": label, "n": n, "pass": passed / n, "interval": wilson(passed, n),
+            "diff": (c - b) / n, "p": mcnemar(b, c),
+            "recovered": (passed / n - slm_pass) / gap if gap > 0 else float("nan"),
+            "share": data["summary"]["llm_token_share"] if label != "llm" else 1.0,
+            "tok_s": data["summary"]["output_tok_s"],
+        })
+    rows.sort(key=lambda r: (r["label"] != "llm", r["label"] != "slm", r["share"]))
+    lines = ["| configuration | problems | pass@1 | 95 % interval | vs LLM (paired) | McNemar p "
+             "| gap recovered | LLM tokens | output tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["interval"]
+        lines.append(f"| {r['label']} | {r['n']} | {r['pass']:.3f} | {lo:.3f}-{hi:.3f} "
+                     f"| {100 * r['diff']:+.1f} pts | {r['p']:.3f} | {100 * r['recovered']:.0f} % "
+                     f"| {100 * r['share']:.1f} % | {r['tok_s']:.1f} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.table:
+        with open(args.table, "w") as f:
+            plot = os.path.basename(args.plot)
+            f.write("# HumanEval frontier of the shipped pair\n\n"
+                    "Written by `scripts/frontier.py` from the runs of `scripts/eval-routing.sh`\n"
+                    "(greedy, 192 tokens at most, HumanEval's stop strings). \"vs LLM\" is the\n"
+                    "paired difference in pass@1 to the LLM alone on the same problems; \"gap\n"
+                    "recovered\" is (pass@1 - SLM) / (LLM - SLM). The plot is\n"
+                    f"[{plot}]({plot}); what it shows is summed up in\n"
+                    "[benchmarks.md](benchmarks.md#routing-quality-humaneval).\n\n" + table)
+    if args.plot:
+        svg(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
