@@ -244,14 +244,18 @@ fn split(data: &Dataset, holdout: f64, seed: u64) -> [Vec<usize>; 3] {
     order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
     let held = ((texts as f64 * holdout).round() as usize).clamp(1, texts.saturating_sub(1).max(1));
     let calibration = held.div_ceil(2);
-    let part = |r: &usize| match order.iter().position(|&t| t == data.text[*r]) {
-        Some(i) if i < calibration => 1,
-        Some(i) if i < held => 2,
-        _ => 0,
-    };
+    // Each text's part, by its place in the seeded order.
+    let mut part_of = vec![0; texts];
+    for (i, &t) in order.iter().enumerate() {
+        part_of[t] = match i {
+            i if i < calibration => 1,
+            i if i < held => 2,
+            _ => 0,
+        };
+    }
     let mut parts = [Vec::new(), Vec::new(), Vec::new()];
     for r in 0..data.rows() {
-        parts[part(&r)].push(r);
+        parts[part_of[data.text[r]]].push(r);
     }
     if parts[2].is_empty() {
         parts[2] = parts[1].clone();
@@ -262,14 +266,23 @@ fn split(data: &Dataset, holdout: f64, seed: u64) -> [Vec<usize>; 3] {
 /// Rows scored per pass outside training, so that memory stays bounded.
 const SCORE_ROWS: usize = 4096;
 
+/// The head's logits over `rows` in one pass, and their labels.
+fn batch_logits(
+    head: &RouterHead,
+    data: &Dataset,
+    rows: &[usize],
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let [h, e, t, y] = data.gather(rows)?;
+    let t = t.narrow(1, 0, head.config.top_k.max(1).min(data.top_k))?;
+    Ok((head.logits(&h, Some(&e), Some(&t))?, y))
+}
+
 /// The head's logits over `rows`, in order.
 fn head_logits(head: &RouterHead, data: &Dataset, rows: &[usize]) -> Result<Tensor, TrainError> {
-    let mut parts = Vec::new();
-    for chunk in rows.chunks(SCORE_ROWS) {
-        let [h, e, t, _] = data.gather(chunk)?;
-        let t = t.narrow(1, 0, head.config.top_k.max(1).min(data.top_k))?;
-        parts.push(head.logits(&h, Some(&e), Some(&t))?);
-    }
+    let parts = rows
+        .chunks(SCORE_ROWS)
+        .map(|chunk| Ok(batch_logits(head, data, chunk)?.0))
+        .collect::<candle_core::Result<Vec<_>>>()?;
     Ok(Tensor::cat(&parts, 0)?)
 }
 
@@ -336,9 +349,7 @@ pub fn train(
     for epoch in 1..=settings.epochs {
         order.shuffle(&mut rng);
         for batch in order.chunks(settings.batch_size.max(1)) {
-            let [h, e, t, y] = data.gather(batch)?;
-            let t = t.narrow(1, 0, head.config.top_k.max(1).min(data.top_k))?;
-            let z = head.logits(&h, Some(&e), Some(&t))?;
+            let (z, y) = batch_logits(&head, data, batch)?;
             opt.backward_step(&loss(&z, &targets(config.kind, &y)?, positive_weight)?)?;
         }
         epochs_run = epoch;
