@@ -199,6 +199,30 @@ fn the_threshold_in_the_router_file_applies_unless_the_config_overrides_it() {
 }
 
 #[test]
+fn a_share_target_sends_that_share_of_tokens_to_the_llm() {
+    let pair = tiny_pair();
+    for kind in [HeadKind::R2r, HeadKind::Citer, HeadKind::CoLlm] {
+        let (file, _) = write_head(&pair, kind);
+        for share in [0.25, 0.5] {
+            let routing = format!(
+                "[routing]\nalgorithm = \"{}\"\nrouter = \"{file}\"\nshare = {share}\n",
+                algorithm(kind)
+            );
+            let got = run_all(&pair, &routing, "delayed");
+            let on_llm = got.iter().flatten().filter(|t| t.model == 1).count();
+            let total = got.iter().flatten().count();
+            let routed = on_llm as f64 / total as f64;
+            // The cut-off starts from the first batch's scores alone, so the share is close,
+            // not exact, over this few tokens (80).
+            assert!(
+                (routed - share).abs() < 0.1,
+                "{kind:?}, share {share}: {on_llm} of {total} tokens on the LLM"
+            );
+        }
+    }
+}
+
+#[test]
 fn query_level_runs_each_request_wholly_on_one_model() {
     let pair = tiny_pair();
     let models = [&pair.models[0].model, &pair.models[1].model];

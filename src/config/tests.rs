@@ -97,6 +97,11 @@ fn learned_ensemble_and_query_level_sections_are_checked() {
             "algorithm = \"co-llm\"\nrouter = \"h\"\nthreshold = 1.5",
             "[0, 1]",
         ),
+        ("algorithm = \"r2r\"\nrouter = \"h\"\nshare = 1.0", "(0, 1)"),
+        (
+            "algorithm = \"citer\"\nrouter = \"h\"\nshare = 0.1\nthreshold = 0.5",
+            "set one of them",
+        ),
         (
             "algorithm = \"ensemble\"\nweights = [1.0]",
             "one positive weight per model",

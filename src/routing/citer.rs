@@ -3,17 +3,17 @@
 //! then hands back.
 
 use super::head::{HeadKind, RouterHead};
-use super::learned::LearnedDeferral;
+use super::learned::{Cut, LearnedDeferral};
 use super::Pair;
 
 /// The head kind this algorithm loads.
 pub const KIND: HeadKind = HeadKind::Citer;
 
-pub fn citer(pair: Pair, head: RouterHead, threshold: f32) -> LearnedDeferral {
+pub fn citer(pair: Pair, head: RouterHead, cut: Cut) -> LearnedDeferral {
     LearnedDeferral {
         name: "citer",
         pair,
         head,
-        threshold,
+        cut,
     }
 }

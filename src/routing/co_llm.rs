@@ -2,17 +2,17 @@
 //! per token whether the LLM generates it; above the threshold it does, then hands back.
 
 use super::head::{HeadKind, RouterHead};
-use super::learned::LearnedDeferral;
+use super::learned::{Cut, LearnedDeferral};
 use super::Pair;
 
 /// The head kind this algorithm loads.
 pub const KIND: HeadKind = HeadKind::CoLlm;
 
-pub fn co_llm(pair: Pair, head: RouterHead, threshold: f32) -> LearnedDeferral {
+pub fn co_llm(pair: Pair, head: RouterHead, cut: Cut) -> LearnedDeferral {
     LearnedDeferral {
         name: "co-llm",
         pair,
         head,
-        threshold,
+        cut,
     }
 }

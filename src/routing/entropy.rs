@@ -1,14 +1,22 @@
 //! Entropy threshold: the SLM generates until its next-token entropy exceeds `threshold`; that
 //! token is dropped and the LLM generates it instead, then hands the request straight back.
 //! That is R-Stitch whose LLM always hands back (its `low` threshold is infinite), so it is
-//! built as one.
+//! built as one. With a target share instead of a threshold, the cut-off follows the
+//! entropies served ([`ShareControl`]).
 
-use super::rstitch::RStitch;
+use super::rstitch::{High, RStitch};
+use super::share::ShareControl;
 use super::Pair;
 
 /// The entropy-threshold algorithm.
 pub fn entropy_threshold(pair: Pair, threshold: f32) -> RStitch {
-    RStitch::named("entropy", pair, threshold, f32::INFINITY)
+    RStitch::named("entropy", pair, High::Threshold(threshold), f32::INFINITY)
+}
+
+/// The entropy algorithm sending about `share` of the SLM's tokens to the LLM.
+pub fn entropy_share(pair: Pair, share: f64) -> RStitch {
+    let high = High::Share(ShareControl::new(share));
+    RStitch::named("entropy", pair, high, f32::INFINITY)
 }
 
 #[cfg(test)]
@@ -43,5 +51,18 @@ mod tests {
         algo.route(1, &features, &[view(1), view(1)], &mut out);
         assert_eq!(out, [Route::Move(0), Route::Move(0)]);
         assert!(algo.send(1, 0, &view(1)).keep_token);
+    }
+
+    #[test]
+    fn a_share_sends_the_most_uncertain_tokens() {
+        let algo = entropy_share(Pair { slm: 0, llm: 1 }, 0.25);
+        let mut out = Vec::new();
+        let entropy = [0.5, 3.0, 1.0, 2.0];
+        let features = BatchFeatures {
+            entropy: &entropy,
+            ..Default::default()
+        };
+        algo.route(0, &features, &[view(0); 4], &mut out);
+        assert_eq!(out, [Route::Stay, Route::Move(1), Route::Stay, Route::Stay]);
     }
 }

@@ -42,6 +42,15 @@ impl HeadKind {
         }
     }
 
+    /// The score as an urgency, higher meaning more in need of the LLM: CITER's confidence
+    /// counts the other way.
+    pub fn urgency(self, score: f32) -> f32 {
+        match self {
+            Self::R2r | Self::CoLlm => score,
+            Self::Citer => -score,
+        }
+    }
+
     /// The name in file names and flags.
     pub fn name(self) -> &'static str {
         match self {

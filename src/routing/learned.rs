@@ -1,10 +1,13 @@
 //! What the learned routers (R2R, CITER, Co-LLM) share: a [`RouterHead`] scores every token
-//! the SLM samples, the head kind's rule (`HeadKind::defers`) turns the score into "the LLM
-//! produces this token",
-//! and the LLM, after producing it, hands the request straight back. The SLM's token is
-//! dropped when deferring (the LLM regenerates that position); the LLM's is kept.
+//! the SLM samples, a [`Cut`] turns the score into "the LLM produces this token", and the
+//! LLM, after producing it, hands the request straight back. The SLM's token is dropped when
+//! deferring (the LLM regenerates that position); the LLM's is kept.
+//!
+//! The cut is a fixed threshold (the head kind's rule, `HeadKind::defers`) or a
+//! [`ShareControl`] that keeps a target share of tokens on the LLM.
 
 use super::head::{HeadInputs, RouterHead};
+use super::share::ShareControl;
 use super::{
     route_rows, BatchFeatures, FeatureNeeds, ModelIndex, Pair, Route, RoutingAlgorithm, SendPlan,
     StepView,
@@ -15,7 +18,15 @@ pub struct LearnedDeferral {
     pub name: &'static str,
     pub pair: Pair,
     pub head: RouterHead,
-    pub threshold: f32,
+    pub cut: Cut,
+}
+
+/// Where a learned router draws the line between the SLM's tokens and the LLM's.
+pub enum Cut {
+    /// A fixed threshold on the head's score.
+    Threshold(f32),
+    /// A threshold that follows the scores served, so that this share goes to the LLM.
+    Share(ShareControl),
 }
 
 impl LearnedDeferral {
@@ -60,10 +71,18 @@ impl RoutingAlgorithm for LearnedDeferral {
             return route_rows(batch, out, |_, _| Route::Move(self.pair.slm));
         }
         let scores = self.scores(features, batch.len());
-        route_rows(batch, out, |i, _| match scores.get(i) {
-            Some(&s) if self.head.config.kind.defers(s, self.threshold) => {
-                Route::Move(self.pair.llm)
+        let kind = self.head.config.kind;
+        let defer: Vec<bool> = match &self.cut {
+            Cut::Threshold(t) => scores.iter().map(|&s| kind.defers(s, *t)).collect(),
+            Cut::Share(control) => {
+                let urgency: Vec<f32> = scores.iter().map(|&s| kind.urgency(s)).collect();
+                let mut defer = Vec::with_capacity(scores.len());
+                control.decide(&urgency, &mut defer);
+                defer
             }
+        };
+        route_rows(batch, out, |i, _| match defer.get(i) {
+            Some(true) => Route::Move(self.pair.llm),
             _ => Route::Stay,
         });
     }

@@ -25,6 +25,7 @@ mod learned;
 mod query_level;
 mod r2r;
 mod rstitch;
+mod share;
 mod single;
 mod speculative;
 #[cfg(feature = "train")]
@@ -37,7 +38,7 @@ pub use citer::citer;
 pub use co_llm::co_llm;
 pub use ensemble::Ensemble;
 pub use entropy::entropy_threshold;
-pub use learned::LearnedDeferral;
+pub use learned::{Cut, LearnedDeferral};
 pub use query_level::QueryLevel;
 pub use r2r::r2r;
 pub use rstitch::RStitch;
@@ -265,23 +266,43 @@ pub fn build(
             };
             Arc::new(SingleModel::new(index))
         }
-        RoutingConfig::Entropy { threshold } => Arc::new(entropy_threshold(pair()?, *threshold)),
+        RoutingConfig::Entropy { threshold, share } => Arc::new(match (share, threshold) {
+            (Some(share), _) => entropy::entropy_share(pair()?, *share),
+            (None, threshold) => entropy_threshold(pair()?, threshold.unwrap_or(f32::INFINITY)),
+        }),
         RoutingConfig::RStitch { high, low } => Arc::new(RStitch::new(pair()?, *high, *low)),
-        RoutingConfig::R2r { router, threshold } => {
-            learned(pair()?, router, *threshold, hidden_sizes, r2r::KIND, r2r)?
-        }
-        RoutingConfig::Citer { router, threshold } => learned(
+        RoutingConfig::R2r {
+            router,
+            threshold,
+            share,
+        } => learned(
             pair()?,
             router,
-            *threshold,
+            cut(*threshold, *share),
+            hidden_sizes,
+            r2r::KIND,
+            r2r,
+        )?,
+        RoutingConfig::Citer {
+            router,
+            threshold,
+            share,
+        } => learned(
+            pair()?,
+            router,
+            cut(*threshold, *share),
             hidden_sizes,
             citer::KIND,
             citer,
         )?,
-        RoutingConfig::CoLlm { router, threshold } => learned(
+        RoutingConfig::CoLlm {
+            router,
+            threshold,
+            share,
+        } => learned(
             pair()?,
             router,
-            *threshold,
+            cut(*threshold, *share),
             hidden_sizes,
             co_llm::KIND,
             co_llm,
@@ -315,20 +336,29 @@ pub fn build(
     })
 }
 
-/// Loads a learned router's head for the SLM and wraps it; the config's threshold overrides
-/// the one trained into the head's file.
+/// A learned router's cut-off as configured: a target share, or a threshold (`None`: the one
+/// trained into the head's file).
+fn cut(threshold: Option<f32>, share: Option<f64>) -> Option<Cut> {
+    match (share, threshold) {
+        (Some(share), _) => Some(Cut::Share(share::ShareControl::new(share))),
+        (None, Some(t)) => Some(Cut::Threshold(t)),
+        (None, None) => None,
+    }
+}
+
+/// Loads a learned router's head for the SLM and wraps it with its cut-off.
 fn learned(
     pair: Pair,
     router: &std::path::Path,
-    threshold: Option<f32>,
+    cut: Option<Cut>,
     hidden_sizes: &[usize],
     kind: head::HeadKind,
-    make: fn(Pair, head::RouterHead, f32) -> LearnedDeferral,
+    make: fn(Pair, head::RouterHead, Cut) -> LearnedDeferral,
 ) -> Result<Arc<dyn RoutingAlgorithm>, RoutingError> {
     let hidden = hidden_sizes.get(pair.slm).copied().unwrap_or(0);
     let head = head::RouterHead::load(router, kind, hidden)?;
-    let threshold = threshold.unwrap_or(head.config.threshold);
-    Ok(Arc::new(make(pair, head, threshold)))
+    let cut = cut.unwrap_or(Cut::Threshold(head.config.threshold));
+    Ok(Arc::new(make(pair, head, cut)))
 }
 
 /// Applies a per-row rule to a batch, for algorithms whose decisions are independent per row.

@@ -4,17 +4,17 @@
 //! that one token and returns.
 
 use super::head::{HeadKind, RouterHead};
-use super::learned::LearnedDeferral;
+use super::learned::{Cut, LearnedDeferral};
 use super::Pair;
 
 /// The head kind this algorithm loads.
 pub const KIND: HeadKind = HeadKind::R2r;
 
-pub fn r2r(pair: Pair, head: RouterHead, threshold: f32) -> LearnedDeferral {
+pub fn r2r(pair: Pair, head: RouterHead, cut: Cut) -> LearnedDeferral {
     LearnedDeferral {
         name: "r2r",
         pair,
         head,
-        threshold,
+        cut,
     }
 }
