@@ -88,6 +88,10 @@ pub struct TrainRouterArgs {
     learning_rate: f64,
     #[arg(long, default_value_t = 1e-2)]
     weight_decay: f64,
+    /// Train on this share of the training texts (the held-out ones unchanged), for a point
+    /// of a learning curve.
+    #[arg(long, default_value_t = 1.0, value_parser = train_share)]
+    train_share: f64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
@@ -100,6 +104,13 @@ const DEFAULT_STOPS: [&str; 6] = [
     "\\n#",
     "\\nassert ",
 ];
+
+fn train_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err(format!("'{s}' is not a share in (0, 1]")),
+    }
+}
 
 fn kind(name: &str) -> anyhow::Result<HeadKind> {
     Ok(match name.replace('-', "_").as_str() {
@@ -214,6 +225,7 @@ pub fn run(args: TrainRouterArgs, backend: MatmulBackend) -> anyhow::Result<()> 
         patience: args.patience,
         learning_rate: args.learning_rate,
         weight_decay: args.weight_decay,
+        train_share: args.train_share,
         target_recall: args.target_recall,
         seed: args.seed,
         ..Default::default()
@@ -261,12 +273,14 @@ pub fn run(args: TrainRouterArgs, backend: MatmulBackend) -> anyhow::Result<()> 
             );
         }
         eprintln!(
-            "{}: {} training, {} calibration, {} test positions ({:.1} % for the LLM); {:.1} % of test scores within 0.01 of 0 or 1",
+            "{}: {} training, {} calibration, {} test positions ({:.1} % for the LLM); test AUC {:.3} (the SLM's entropy: {:.3}); {:.1} % of test scores within 0.01 of 0 or 1",
             kind.name(),
             report.train_positions,
             report.calibration_positions,
             report.test_positions,
             100.0 * report.positive_share,
+            report.auc,
+            report.entropy_auc,
             100.0 * report.saturated
         );
     }
@@ -399,11 +413,13 @@ fn from_prompts(
             stops.iter().any(|s| text.contains(s.as_str()))
         }
     };
+    let entry = cache::entry_path(&args.cache, &key);
     let (collected, read) = cache::cached(&args.cache, &key, || {
         eprintln!(
-            "the SLM completes {} prompts ({} new tokens at most), labelled by {labels:?}",
+            "the SLM completes {} prompts ({} new tokens at most), labelled by {labels:?}, kept in {}",
             prompts.len(),
-            args.max_new
+            args.max_new,
+            entry.display()
         );
         let bar = super::progress_bar(2 * prompts.len(), "completions generated, then labelled");
         let collected = collect_generated(

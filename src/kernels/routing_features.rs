@@ -88,7 +88,7 @@ fn row_top(row: &[f32], best: &mut [f32]) {
 }
 
 /// H = ln Z − Σ p·(x − m), with Z = Σ exp(x − m) and m the row maximum.
-fn row_entropy(row: &[f32]) -> f32 {
+pub fn row_entropy(row: &[f32]) -> f32 {
     let m = max_value(row);
     if !m.is_finite() {
         return 0.0;

@@ -73,6 +73,13 @@ impl Dataset {
         self.labels.iter().map(|&l| l as f64).sum::<f64>() / self.rows().max(1) as f64
     }
 
+    /// The entropy of the softmax over row `r`'s largest logits (nats): close to the whole
+    /// distribution's where the top logits hold most of the mass.
+    fn top_entropy(&self, r: usize) -> f32 {
+        let k = self.top_k;
+        crate::kernels::routing_features::row_entropy(&self.top_logits[r * k..(r + 1) * k])
+    }
+
     fn gather(&self, rows: &[usize]) -> candle_core::Result<[Tensor; 4]> {
         let pick = |data: &[f32], width: usize| {
             let v: Vec<f32> = rows
@@ -165,6 +172,9 @@ pub struct TrainSettings {
     /// Share of texts held out: half of them (calibration) stop training and pick the
     /// thresholds, the other half (test) measure what those thresholds do.
     pub holdout: f64,
+    /// Share of the training texts trained on, the held-out ones unchanged: below 1, a point
+    /// of a learning curve (does the head gain from more data?).
+    pub train_share: f64,
     /// Recall of the positions that need the LLM the threshold must reach.
     pub target_recall: f64,
     pub seed: u64,
@@ -179,6 +189,7 @@ impl Default for TrainSettings {
             learning_rate: 1e-3,
             weight_decay: 1e-2,
             holdout: 0.3,
+            train_share: 1.0,
             target_recall: 0.95,
             seed: 0,
         }
@@ -196,6 +207,12 @@ pub struct TrainReport {
     pub test_positions: usize,
     /// Share of test positions labelled for the LLM.
     pub positive_share: f64,
+    /// Area under the test positions' ROC curve: the chance that a position labelled for the
+    /// LLM outranks one that is not (0.5: no better than chance), whatever the threshold.
+    pub auc: f64,
+    /// The same for the SLM's next-token entropy over its largest logits (R-Stitch's
+    /// signal), the baseline a head's features must beat.
+    pub entropy_auc: f64,
     /// The threshold for the target recall.
     pub threshold: f32,
     pub precision: f64,
@@ -234,6 +251,23 @@ fn loss(z: &Tensor, y: &Tensor, positive_weight: f64) -> candle_core::Result<Ten
     let pos = (y * log_sigmoid(z)?)?.affine(positive_weight, 0.0)?;
     let neg = (y.affine(-1.0, 1.0)? * log_sigmoid(&z.neg()?)?)?;
     (pos + neg)?.mean_all()?.neg()
+}
+
+/// The rows of the first `share` of the texts `rows` hold (at least one text), in the
+/// order the texts first appear.
+fn first_texts(data: &Dataset, rows: Vec<usize>, share: f64) -> Vec<usize> {
+    if share >= 1.0 {
+        return rows;
+    }
+    let mut texts: Vec<usize> = rows.iter().map(|&r| data.text[r]).collect();
+    texts.dedup();
+    let mut seen = std::collections::HashSet::new();
+    texts.retain(|t| seen.insert(*t));
+    let keep = ((texts.len() as f64 * share).round() as usize).max(1);
+    let kept: std::collections::HashSet<usize> = texts.into_iter().take(keep).collect();
+    rows.into_iter()
+        .filter(|&r| kept.contains(&data.text[r]))
+        .collect()
 }
 
 /// Rows split by text into training, calibration and test rows (the held-out texts halved;
@@ -313,6 +347,7 @@ pub fn train(
         config.top_k = config.top_k.min(data.top_k);
     }
     let [train_rows, calibration_rows, test_rows] = split(data, settings.holdout, settings.seed);
+    let train_rows = first_texts(data, train_rows, settings.train_share);
     if train_rows.is_empty() {
         return Err(TrainError::Data(
             "one text cannot be both trained on and held out: give at least two".into(),
@@ -395,6 +430,14 @@ pub fn train(
         test_positions: test_rows.len(),
         positive_share: test.labels.iter().filter(|l| **l).count() as f64
             / test.labels.len().max(1) as f64,
+        auc: test.auc(),
+        entropy_auc: thresholds::auc(
+            &test_rows
+                .iter()
+                .map(|&r| data.top_entropy(r))
+                .collect::<Vec<_>>(),
+            &test.labels,
+        ),
         threshold: thresholds.recall,
         precision: recall_point.precision,
         recall: recall_point.recall,
@@ -473,6 +516,47 @@ mod tests {
             report.train_positions + report.calibration_positions + report.test_positions,
             data.rows()
         );
+        assert!(report.auc > 0.9, "{report:?}");
+    }
+
+    #[test]
+    fn a_learning_curve_point_trains_on_fewer_texts_and_tests_on_the_same() {
+        let data = separable(1200, 6);
+        let settings = |train_share| TrainSettings {
+            epochs: 2,
+            train_share,
+            ..Default::default()
+        };
+        let config = HeadConfig::new(HeadKind::CoLlm, 6);
+        let (.., all) = train(config.clone(), &data, &settings(1.0)).unwrap();
+        let (.., half) = train(config, &data, &settings(0.5)).unwrap();
+        // 150 texts of 8 rows: 105 train, half of them whole texts.
+        assert_eq!(all.train_positions, 105 * 8);
+        assert_eq!(half.train_positions, 53 * 8);
+        assert_eq!(half.test_positions, all.test_positions);
+        assert_eq!(half.calibration_positions, all.calibration_positions);
+    }
+
+    #[test]
+    fn auc_is_the_share_of_positive_negative_pairs_ranked_right() {
+        let auc = |kind, scores: &[f32], labels: &[bool]| {
+            Scored {
+                kind,
+                scores: scores.to_vec(),
+                labels: labels.to_vec(),
+            }
+            .auc()
+        };
+        let split = [false, false, true, true];
+        assert_eq!(auc(HeadKind::R2r, &[0.1, 0.2, 0.8, 0.9], &split), 1.0);
+        assert_eq!(auc(HeadKind::CoLlm, &[0.9, 0.8, 0.2, 0.1], &split), 0.0);
+        // CITER's score is confidence in the SLM: low where the LLM is needed.
+        assert_eq!(auc(HeadKind::Citer, &[0.9, 0.8, 0.2, 0.1], &split), 1.0);
+        // Positives at 0.5 and 0.2, negatives at 0.4 and 0.2: of the four pairs, two are
+        // ranked right and one is a tie (half).
+        let mixed = [true, true, false, false];
+        assert_eq!(auc(HeadKind::R2r, &[0.5, 0.2, 0.4, 0.2], &mixed), 0.625);
+        assert_eq!(auc(HeadKind::R2r, &[0.5, 0.2], &[true, true]), 0.5);
     }
 
     use rand::Rng;

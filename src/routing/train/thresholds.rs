@@ -47,6 +47,12 @@ impl Scored {
             recall: hits as f64 / positives.max(1) as f64,
         }
     }
+
+    /// The area under the ROC curve of the scores as urgencies.
+    pub fn auc(&self) -> f64 {
+        let urgency: Vec<f32> = self.scores.iter().map(|&s| self.kind.urgency(s)).collect();
+        auc(&urgency, &self.labels)
+    }
 }
 
 /// Thresholds picked on calibration scores.
@@ -102,4 +108,35 @@ fn threshold_for_count(kind: HeadKind, ordered: &[f32], count: usize) -> f32 {
         HeadKind::Citer => s + 1e-6,
         _ => s - 1e-6,
     }
+}
+
+/// The area under the ROC curve of `urgency` for `labels` (true: the position needs the LLM),
+/// ties counted half: the Mann-Whitney statistic, the chance that a positive outranks a
+/// negative; 0.5 where either class is missing.
+pub(super) fn auc(urgency: &[f32], labels: &[bool]) -> f64 {
+    let mut ranked: Vec<(f32, bool)> = urgency
+        .iter()
+        .copied()
+        .zip(labels.iter().copied())
+        .collect();
+    ranked.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let positives = labels.iter().filter(|l| **l).count();
+    let negatives = labels.len() - positives;
+    if positives == 0 || negatives == 0 {
+        return 0.5;
+    }
+    // Sum of the positives' ranks (1-based, ties given their mean rank).
+    let mut rank_sum = 0.0;
+    let mut i = 0;
+    while i < ranked.len() {
+        let j = i + ranked[i..]
+            .iter()
+            .take_while(|r| r.0 == ranked[i].0)
+            .count();
+        let mean_rank = (i + 1 + j) as f64 / 2.0;
+        rank_sum += mean_rank * ranked[i..j].iter().filter(|r| r.1).count() as f64;
+        i = j;
+    }
+    let p = positives as f64;
+    (rank_sum - p * (p + 1.0) / 2.0) / (p * negatives as f64)
 }
