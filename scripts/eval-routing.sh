@@ -10,7 +10,10 @@
 # PROBLEMS=20 runs the first 20 problems; CONCURRENCY (default 8) is the requests in flight;
 # ONLY="slm r2r-0.10" runs just those labels, reusing runs/llm.json as the reference;
 # TOKENROUTER=path/to/tokenrouter uses that binary instead of building one; THRESHOLDS="r2r:0.4
-# citer:0.3" adds runs of those heads at those thresholds (labelled r2r-t0.4, ...).
+# citer:0.3" adds runs of those heads at those thresholds (labelled r2r-t0.4, ...); SHARES="co_llm:0.10
+# entropy:0.15" adds runs of those heads (or of the entropy rule) with `share` (labelled
+# co-llm-s0.10, ...); RUNS=dir writes
+# there instead of runs/ (a concurrency-1 sweep beside the full one).
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -18,10 +21,11 @@ cd "$root"
 problems="${PROBLEMS:-164}"
 concurrency="${CONCURRENCY:-8}"
 port="${PORT:-30211}"
+runs="${RUNS:-runs}"
 routers="$root/routers"
 name="${ROUTER_NAME:-qwen-pair}"
 bin="${TOKENROUTER:-$root/target/release/tokenrouter}"
-mkdir -p runs
+mkdir -p "$runs"
 [ -n "${TOKENROUTER:-}" ] || cargo build --release --quiet
 # wanted LABEL: whether ONLY (when set) names it.
 wanted() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
@@ -33,24 +37,24 @@ share_threshold() {
 
 # run LABEL ROUTING-TOML
 run() {
-  local label="$1" routing="$2" config="runs/config-$1.toml"
+  local label="$1" routing="$2" config="$runs/config-$1.toml"
   wanted "$label" || return 0
   # The shipped config with its [routing] table replaced and model paths made absolute.
   awk -v routing="$routing" '
     /^\[routing\]/ { skip = 1; print "[routing]"; print routing; next }
     /^\[/ { skip = 0 }
     !skip' config.toml | sed "s|path = \"models/|path = \"$root/models/|" > "$config"
-  "$bin" serve --config "$config" --port "$port" > "runs/$label.log" 2>&1 &
+  "$bin" serve --config "$config" --port "$port" > "$runs/$label.log" 2>&1 &
   local server=$!
   until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-    kill -0 "$server" 2> /dev/null || { echo "eval-routing: server for $label died; see runs/$label.log" >&2; exit 1; }
+    kill -0 "$server" 2> /dev/null || { echo "eval-routing: server for $label died; see $runs/$label.log" >&2; exit 1; }
     sleep 1
   done
   local reference=()
-  [ "$label" != llm ] && reference=(--reference runs/llm.json)
+  [ "$label" != llm ] && reference=(--reference "$runs/llm.json")
   python3 scripts/eval_humaneval.py --url "http://127.0.0.1:$port" --label "$label" \
     --problems "$problems" --concurrency "$concurrency" "${reference[@]}" \
-    --out "runs/$label.json" | tee -a runs/summary.jsonl
+    --out "$runs/$label.json" | tee -a "$runs/summary.jsonl"
   kill "$server"; wait "$server" || true
 }
 
@@ -85,6 +89,13 @@ for spec in ${THRESHOLDS:-}; do
   ONLY="${ONLY:+$ONLY }${kind//_/-}-t$threshold" run "${kind//_/-}-t$threshold" "algorithm = \"${kind//_/-}\"
 router = \"$routers/$name-$kind.safetensors\"
 threshold = $threshold"
+done
+for spec in ${SHARES:-}; do
+  kind="${spec%%:*}" share="${spec#*:}" router=""
+  [ "$kind" = entropy ] || router="router = \"$routers/$name-$kind.safetensors\""
+  ONLY="${ONLY:+$ONLY }${kind//_/-}-s$share" run "${kind//_/-}-s$share" "algorithm = \"${kind//_/-}\"
+$router
+share = $share"
 done
 run speculative 'algorithm = "speculative"
 draft_tokens = "auto"'

@@ -82,6 +82,7 @@ def main():
     summary = {
         "label": args.label,
         "problems": len(results),
+        "concurrency": args.concurrency,
         "pass@1": sum(r["passed"] for r in results) / len(results),
         "llm_token_share": llm_tokens / max(tokens, 1),
         "output_tok_s": tokens / seconds,

@@ -4,9 +4,12 @@ plot of pass@1 against output tokens per second, one point per configuration.
 
 For each run: pass@1 with its 95 % Wilson interval, the paired difference to the LLM alone
 on the same problems with an exact McNemar p-value, the share of the LLM-over-SLM gap it
-recovers, its LLM token share and its output tok/s.
+recovers, its LLM token share and its output tok/s; with --single, the output tok/s of the
+same configuration's concurrency-1 run (scripts/eval-routing.sh with RUNS=runs/c1
+CONCURRENCY=1, usually on fewer problems).
 
-Usage: frontier.py [--runs runs] [--table docs/frontier.md] [--plot docs/frontier.svg]
+Usage: frontier.py [--runs runs] [--single runs/c1] [--table docs/frontier.md]
+                   [--plot docs/frontier.svg]
 """
 import argparse
 import glob
@@ -96,8 +99,12 @@ def main():
     parser.add_argument("--runs", default="runs")
     parser.add_argument("--table", default="docs/frontier.md")
     parser.add_argument("--plot", default="docs/frontier.svg")
+    parser.add_argument("--single", default="runs/c1",
+                        help="runs at concurrency 1, for their tok/s (absent: left out)")
     args = parser.parse_args()
     runs = load(args.runs)
+    single = load(args.single) if os.path.isdir(args.single) else {}
+    single_n = {len(d["results"]) for d in single.values()}
     if "llm" not in runs or "slm" not in runs:
         sys.exit(f"frontier: {args.runs} needs llm.json and slm.json (scripts/eval-routing.sh)")
     llm = {r["task_id"]: r["passed"] for r in runs["llm"]["results"]}
@@ -117,16 +124,22 @@ def main():
             "recovered": (passed / n - slm_pass) / gap if gap > 0 else float("nan"),
             "share": data["summary"]["llm_token_share"] if label != "llm" else 1.0,
             "tok_s": data["summary"]["output_tok_s"],
+            "tok_s_1": single[label]["summary"]["output_tok_s"] if label in single else None,
         })
     rows.sort(key=lambda r: (r["label"] != "llm", r["label"] != "slm", r["share"]))
+    concurrency = {d["summary"].get("concurrency") for d in runs.values()} - {None}
+    at = f" at c = {concurrency.pop()}" if len(concurrency) == 1 else ""
     lines = ["| configuration | problems | pass@1 | 95 % interval | vs LLM (paired) | McNemar p "
-             "| gap recovered | LLM tokens | output tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"| gap recovered | LLM tokens | output tok/s{at} |"
+             + (" tok/s at c = 1 |" if single else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if single else "")]
     for r in rows:
         lo, hi = r["interval"]
+        one = "" if not single else (
+            f" {r['tok_s_1']:.1f} |" if r["tok_s_1"] is not None else " - |")
         lines.append(f"| {r['label']} | {r['n']} | {r['pass']:.3f} | {lo:.3f}-{hi:.3f} "
                      f"| {100 * r['diff']:+.1f} pts | {r['p']:.3f} | {100 * r['recovered']:.0f} % "
-                     f"| {100 * r['share']:.1f} % | {r['tok_s']:.1f} |")
+                     f"| {100 * r['share']:.1f} % | {r['tok_s']:.1f} |{one}")
     table = "\n".join(lines) + "\n"
     print(table)
     if args.table:
@@ -136,7 +149,10 @@ def main():
                     "Written by `scripts/frontier.py` from the runs of `scripts/eval-routing.sh`\n"
                     "(greedy, 192 tokens at most, HumanEval's stop strings). \"vs LLM\" is the\n"
                     "paired difference in pass@1 to the LLM alone on the same problems; \"gap\n"
-                    "recovered\" is (pass@1 - SLM) / (LLM - SLM). The plot is\n"
+                    "recovered\" is (pass@1 - SLM) / (LLM - SLM)."
+                    + (" \"tok/s at c = 1\" is one request at a time over the first "
+                       f"{'/'.join(map(str, sorted(single_n)))}\nproblems." if single else "")
+                    + " The plot is\n"
                     f"[{plot}]({plot}); what it shows is summed up in\n"
                     "[benchmarks.md](benchmarks.md#routing-quality-humaneval).\n\n" + table)
     if args.plot:
