@@ -275,38 +275,32 @@ pub fn build(
             router,
             threshold,
             share,
-        } => learned(
-            pair()?,
-            router,
-            cut(*threshold, *share),
-            hidden_sizes,
-            r2r::KIND,
-            r2r,
-        )?,
-        RoutingConfig::Citer {
+        }
+        | RoutingConfig::Citer {
             router,
             threshold,
             share,
-        } => learned(
-            pair()?,
-            router,
-            cut(*threshold, *share),
-            hidden_sizes,
-            citer::KIND,
-            citer,
-        )?,
-        RoutingConfig::CoLlm {
+        }
+        | RoutingConfig::CoLlm {
             router,
             threshold,
             share,
-        } => learned(
-            pair()?,
-            router,
-            cut(*threshold, *share),
-            hidden_sizes,
-            co_llm::KIND,
-            co_llm,
-        )?,
+        } => {
+            let (kind, make): (_, fn(Pair, head::RouterHead, Cut) -> LearnedDeferral) =
+                match &config.routing {
+                    RoutingConfig::R2r { .. } => (r2r::KIND, r2r),
+                    RoutingConfig::Citer { .. } => (citer::KIND, citer),
+                    _ => (co_llm::KIND, co_llm),
+                };
+            learned(
+                pair()?,
+                router,
+                cut(*threshold, *share),
+                hidden_sizes,
+                kind,
+                make,
+            )?
+        }
         RoutingConfig::QueryLevel { rule, threshold } => {
             Arc::new(QueryLevel::new(pair()?, *rule, *threshold))
         }
