@@ -537,28 +537,6 @@ mod tests {
         assert_eq!(half.calibration_positions, all.calibration_positions);
     }
 
-    #[test]
-    fn auc_is_the_share_of_positive_negative_pairs_ranked_right() {
-        let auc = |kind, scores: &[f32], labels: &[bool]| {
-            Scored {
-                kind,
-                scores: scores.to_vec(),
-                labels: labels.to_vec(),
-            }
-            .auc()
-        };
-        let split = [false, false, true, true];
-        assert_eq!(auc(HeadKind::R2r, &[0.1, 0.2, 0.8, 0.9], &split), 1.0);
-        assert_eq!(auc(HeadKind::CoLlm, &[0.9, 0.8, 0.2, 0.1], &split), 0.0);
-        // CITER's score is confidence in the SLM: low where the LLM is needed.
-        assert_eq!(auc(HeadKind::Citer, &[0.9, 0.8, 0.2, 0.1], &split), 1.0);
-        // Positives at 0.5 and 0.2, negatives at 0.4 and 0.2: of the four pairs, two are
-        // ranked right and one is a tie (half).
-        let mixed = [true, true, false, false];
-        assert_eq!(auc(HeadKind::R2r, &[0.5, 0.2, 0.4, 0.2], &mixed), 0.625);
-        assert_eq!(auc(HeadKind::R2r, &[0.5, 0.2], &[true, true]), 0.5);
-    }
-
     use rand::Rng;
 
     /// Labels that are noise: the calibration loss stops improving early, training stops

@@ -140,3 +140,30 @@ pub(super) fn auc(urgency: &[f32], labels: &[bool]) -> f64 {
     let p = positives as f64;
     (rank_sum - p * (p + 1.0) / 2.0) / (p * negatives as f64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auc_is_the_share_of_positive_negative_pairs_ranked_right() {
+        let auc = |kind, scores: &[f32], labels: &[bool]| {
+            Scored {
+                kind,
+                scores: scores.to_vec(),
+                labels: labels.to_vec(),
+            }
+            .auc()
+        };
+        let split = [false, false, true, true];
+        assert_eq!(auc(HeadKind::R2r, &[0.1, 0.2, 0.8, 0.9], &split), 1.0);
+        assert_eq!(auc(HeadKind::CoLlm, &[0.9, 0.8, 0.2, 0.1], &split), 0.0);
+        // CITER's score is confidence in the SLM: low where the LLM is needed.
+        assert_eq!(auc(HeadKind::Citer, &[0.9, 0.8, 0.2, 0.1], &split), 1.0);
+        // Positives at 0.5 and 0.2, negatives at 0.4 and 0.2: of the four pairs, two are
+        // ranked right and one is a tie (half).
+        let mixed = [true, true, false, false];
+        assert_eq!(auc(HeadKind::R2r, &[0.5, 0.2, 0.4, 0.2], &mixed), 0.625);
+        assert_eq!(auc(HeadKind::R2r, &[0.5, 0.2], &[true, true]), 0.5);
+    }
+}
