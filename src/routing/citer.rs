@@ -3,7 +3,8 @@
 //! then hands back.
 
 use super::head::{HeadKind, RouterHead};
-use super::learned::{Cut, LearnedDeferral};
+use super::learned::LearnedDeferral;
+use super::share::Cut;
 use super::Pair;
 
 /// The head kind this algorithm loads.

@@ -2,7 +2,8 @@
 //! per token whether the LLM generates it; above the threshold it does, then hands back.
 
 use super::head::{HeadKind, RouterHead};
-use super::learned::{Cut, LearnedDeferral};
+use super::learned::LearnedDeferral;
+use super::share::Cut;
 use super::Pair;
 
 /// The head kind this algorithm loads.

@@ -4,18 +4,18 @@
 //! built as one. With a target share instead of a threshold, the cut-off follows the
 //! entropies served ([`ShareControl`]).
 
-use super::rstitch::{High, RStitch};
-use super::share::ShareControl;
+use super::rstitch::RStitch;
+use super::share::{Cut, ShareControl};
 use super::Pair;
 
 /// The entropy-threshold algorithm.
 pub fn entropy_threshold(pair: Pair, threshold: f32) -> RStitch {
-    RStitch::named("entropy", pair, High::Threshold(threshold), f32::INFINITY)
+    RStitch::named("entropy", pair, Cut::Threshold(threshold), f32::INFINITY)
 }
 
 /// The entropy algorithm sending about `share` of the SLM's tokens to the LLM.
 pub fn entropy_share(pair: Pair, share: f64) -> RStitch {
-    let high = High::Share(ShareControl::new(share));
+    let high = Cut::Share(ShareControl::new(share));
     RStitch::named("entropy", pair, high, f32::INFINITY)
 }
 

@@ -3,11 +3,11 @@
 //! LLM, after producing it, hands the request straight back. The SLM's token is dropped when
 //! deferring (the LLM regenerates that position); the LLM's is kept.
 //!
-//! The cut is a fixed threshold (the head kind's rule, `HeadKind::defers`) or a
-//! [`ShareControl`] that keeps a target share of tokens on the LLM.
+//! The cut is a fixed threshold (the head kind's rule, `HeadKind::defers`) or a share of
+//! tokens kept on the LLM (`super::share::ShareControl`).
 
 use super::head::{HeadInputs, RouterHead};
-use super::share::ShareControl;
+use super::share::Cut;
 use super::{
     route_rows, BatchFeatures, FeatureNeeds, ModelIndex, Pair, Route, RoutingAlgorithm, SendPlan,
     StepView,
@@ -19,14 +19,6 @@ pub struct LearnedDeferral {
     pub pair: Pair,
     pub head: RouterHead,
     pub cut: Cut,
-}
-
-/// Where a learned router draws the line between the SLM's tokens and the LLM's.
-pub enum Cut {
-    /// A fixed threshold on the head's score.
-    Threshold(f32),
-    /// A threshold that follows the scores served, so that this share goes to the LLM.
-    Share(ShareControl),
 }
 
 impl LearnedDeferral {
@@ -72,15 +64,9 @@ impl RoutingAlgorithm for LearnedDeferral {
         }
         let scores = self.scores(features, batch.len());
         let kind = self.head.config.kind;
-        let defer: Vec<bool> = match &self.cut {
-            Cut::Threshold(t) => scores.iter().map(|&s| kind.defers(s, *t)).collect(),
-            Cut::Share(control) => {
-                let urgency: Vec<f32> = scores.iter().map(|&s| kind.urgency(s)).collect();
-                let mut defer = Vec::with_capacity(scores.len());
-                control.decide(&urgency, &mut defer);
-                defer
-            }
-        };
+        let defer = self
+            .cut
+            .decide(&scores, |s, t| kind.defers(s, t), |s| kind.urgency(s));
         route_rows(batch, out, |i, _| match defer.get(i) {
             Some(true) => Route::Move(self.pair.llm),
             _ => Route::Stay,

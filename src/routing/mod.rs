@@ -38,10 +38,11 @@ pub use citer::citer;
 pub use co_llm::co_llm;
 pub use ensemble::Ensemble;
 pub use entropy::entropy_threshold;
-pub use learned::{Cut, LearnedDeferral};
+pub use learned::LearnedDeferral;
 pub use query_level::QueryLevel;
 pub use r2r::r2r;
 pub use rstitch::RStitch;
+pub use share::Cut;
 pub use single::SingleModel;
 pub use speculative::Speculative;
 

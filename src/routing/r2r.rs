@@ -4,7 +4,8 @@
 //! that one token and returns.
 
 use super::head::{HeadKind, RouterHead};
-use super::learned::{Cut, LearnedDeferral};
+use super::learned::LearnedDeferral;
+use super::share::Cut;
 use super::Pair;
 
 /// The head kind this algorithm loads.

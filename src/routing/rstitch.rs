@@ -2,7 +2,7 @@
 //! (dropping the uncertain token, which the LLM regenerates); the LLM keeps generating until
 //! its own entropy falls below `low`, then commits that token and hands back.
 
-use super::share::ShareControl;
+use super::share::Cut;
 use super::{
     BatchFeatures, FeatureNeeds, ModelIndex, Pair, Route, RoutingAlgorithm, SendPlan, StepView,
 };
@@ -10,25 +10,18 @@ use super::{
 pub struct RStitch {
     name: &'static str,
     pair: Pair,
-    high: High,
+    /// When the SLM hands over: above an entropy, or among the highest share served.
+    high: Cut,
     low: f32,
-}
-
-/// When the SLM hands over.
-pub enum High {
-    /// Above this entropy.
-    Threshold(f32),
-    /// At entropies among the highest this share of those served.
-    Share(ShareControl),
 }
 
 impl RStitch {
     pub fn new(pair: Pair, high: f32, low: f32) -> Self {
-        Self::named("r-stitch", pair, High::Threshold(high), low)
+        Self::named("r-stitch", pair, Cut::Threshold(high), low)
     }
 
     /// The same rule under another algorithm's name (see `entropy.rs`).
-    pub fn named(name: &'static str, pair: Pair, high: High, low: f32) -> Self {
+    pub fn named(name: &'static str, pair: Pair, high: Cut, low: f32) -> Self {
         Self {
             name,
             pair,
@@ -63,14 +56,9 @@ impl RoutingAlgorithm for RStitch {
     ) {
         let Pair { slm, llm } = self.pair;
         let entropy = &features.entropy[..batch.len()];
-        let up: Vec<bool> = match &self.high {
-            _ if model != slm => Vec::new(),
-            High::Threshold(high) => entropy.iter().map(|h| h > high).collect(),
-            High::Share(control) => {
-                let mut up = Vec::with_capacity(batch.len());
-                control.decide(entropy, &mut up);
-                up
-            }
+        let up = match model {
+            m if m == slm => self.high.decide(entropy, |h, t| h > t, |h| h),
+            _ => Vec::new(),
         };
         super::route_rows(batch, out, |i, _| match model {
             m if m == slm && up[i] => Route::Move(llm),

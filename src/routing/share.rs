@@ -16,6 +16,35 @@ use std::sync::Mutex;
 /// alone, few enough that it follows a change of workload within a few dozen requests.
 pub const WINDOW: usize = 1024;
 
+/// Where a router draws the line between the SLM's tokens and the LLM's.
+pub enum Cut {
+    /// A fixed threshold on the score.
+    Threshold(f32),
+    /// A cut-off that follows the scores served, so that this share goes to the LLM.
+    Share(ShareControl),
+}
+
+impl Cut {
+    /// Whether each of a batch's scores sends its token to the LLM: at a threshold by the
+    /// router's rule `defers(score, threshold)`, under a share by rank of `urgency(score)`.
+    pub fn decide(
+        &self,
+        scores: &[f32],
+        defers: impl Fn(f32, f32) -> bool,
+        urgency: impl Fn(f32) -> f32,
+    ) -> Vec<bool> {
+        match self {
+            Self::Threshold(t) => scores.iter().map(|&s| defers(s, *t)).collect(),
+            Self::Share(control) => {
+                let urgency: Vec<f32> = scores.iter().map(|&s| urgency(s)).collect();
+                let mut out = Vec::with_capacity(scores.len());
+                control.decide(&urgency, &mut out);
+                out
+            }
+        }
+    }
+}
+
 pub struct ShareControl {
     share: f64,
     state: Mutex<State>,
