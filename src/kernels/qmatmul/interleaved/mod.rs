@@ -312,7 +312,9 @@ impl<P: Interleaved> PackedMatrix<P> {
     ) {
         let kb = self.cols / block_len::<P>();
         let item_blocks = per_item * kb;
-        let tile_rows = |left: usize| left.min(max_rows);
+        // As few tiles as `max_rows` allows, of heights differing by at most one: five rows
+        // take tiles of 3 and 2 rather than 4 and a lone row.
+        let tile_rows = |left: usize| left.div_ceil(left.div_ceil(max_rows).max(1));
         let item_bytes = item_blocks * std::mem::size_of::<P>();
         for_each_slice_tile(
             (self.rows / ROWS).div_ceil(per_item),
