@@ -38,22 +38,61 @@ fn head_config(kind: HeadKind, hidden: usize) -> HeadConfig {
     }
 }
 
+/// Heads reading the hidden state as it is, or also the confidence over the 6 largest logits
+/// with the whole state standardised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Inputs {
+    Hidden,
+    Confident,
+}
+
 /// Writes a seeded head for the SLM; returns its file name and an independent scorer.
 fn write_head(
     pair: &Pair,
     kind: HeadKind,
 ) -> (String, impl Fn(&common::oracle::TokenFeatures) -> f32) {
+    write_head_reading(pair, kind, Inputs::Hidden)
+}
+
+fn write_head_reading(
+    pair: &Pair,
+    kind: HeadKind,
+    inputs: Inputs,
+) -> (String, impl Fn(&common::oracle::TokenFeatures) -> f32) {
+    use candle_core::{Device, Tensor};
     let hidden = pair.models[0].model.config().hidden_size;
-    let config = head_config(kind, hidden);
+    let config = match inputs {
+        Inputs::Hidden => head_config(kind, hidden),
+        Inputs::Confident => head_config(kind, hidden).with_confidence(6).standardized(),
+    };
     let (head, vars) = RouterHead::init(config.clone(), 42).unwrap();
-    let name = format!("{kind:?}.safetensors").to_lowercase();
+    if inputs == Inputs::Confident {
+        // A standardisation that moves every feature (training measures it; here it is set).
+        let width = hidden + 2;
+        let values = |f: fn(usize) -> f32| (0..width).map(f).collect::<Vec<f32>>();
+        let data = vars.data().lock().unwrap();
+        for (name, v) in [
+            ("standardize.mean", values(|i| (i as f32 * 0.7).sin())),
+            ("standardize.scale", values(|i| 0.5 + (i % 5) as f32 * 0.3)),
+        ] {
+            data[name]
+                .set(&Tensor::from_vec(v, width, &Device::Cpu).unwrap())
+                .unwrap();
+        }
+    }
+    let name = match inputs {
+        Inputs::Hidden => format!("{kind:?}.safetensors"),
+        Inputs::Confident => format!("{kind:?}-confident.safetensors"),
+    }
+    .to_lowercase();
     let path = pair.dir.path().join(&name);
     head.save(&vars, &path).unwrap();
     let weights = HeadWeights::read(&path);
+    let k = config.confidence_top_k;
     let scorer = move |f: &common::oracle::TokenFeatures| match kind {
-        HeadKind::R2r => heads::r2r(&weights, f, config.top_k, config.blocks),
-        HeadKind::Citer => heads::citer(&weights, f),
-        HeadKind::CoLlm => heads::co_llm(&weights, f),
+        HeadKind::R2r => heads::r2r(&weights, f, config.top_k, config.blocks, k),
+        HeadKind::Citer => heads::citer(&weights, f, k),
+        HeadKind::CoLlm => heads::co_llm(&weights, f, k),
     };
     (name, scorer)
 }
@@ -144,8 +183,12 @@ fn run_greedy(
 fn learned_routers_defer_exactly_where_their_heads_say() {
     let pair = tiny_pair();
     let models = [&pair.models[0].model, &pair.models[1].model];
-    for kind in [HeadKind::R2r, HeadKind::Citer, HeadKind::CoLlm] {
-        let (file, scorer) = write_head(&pair, kind);
+    let kinds = [HeadKind::R2r, HeadKind::Citer, HeadKind::CoLlm];
+    let heads = kinds
+        .iter()
+        .flat_map(|&k| [(k, Inputs::Hidden), (k, Inputs::Confident)]);
+    for (kind, inputs) in heads {
+        let (file, scorer) = write_head_reading(&pair, kind, inputs);
         let threshold = threshold_in_a_gap(&pair, &scorer);
         let mut closest = f32::INFINITY;
         let expected: Vec<Vec<OracleToken>> = prompts()
@@ -161,22 +204,27 @@ fn learned_routers_defer_exactly_where_their_heads_say() {
             .collect();
         assert!(
             closest > 1e-5,
-            "{kind:?}: a decision within {closest} of the threshold"
+            "{kind:?} {inputs:?}: a decision within {closest} of the threshold"
         );
         let deferred = expected.iter().flatten().filter(|t| t.model == 1).count();
         let total = expected.iter().flatten().count();
         assert!(
             deferred > 0 && deferred < total,
-            "{kind:?}: {deferred} of {total} tokens deferred"
+            "{kind:?} {inputs:?}: {deferred} of {total} tokens deferred"
         );
         let routing = format!(
             "[routing]\nalgorithm = \"{}\"\nrouter = \"{file}\"\nthreshold = {threshold}\n",
             algorithm(kind)
         );
-        for mode in ["delayed", "eager", "sync"] {
+        // The scheduling modes do not touch a head's arithmetic: its inputs are tried in one.
+        let modes = match inputs {
+            Inputs::Hidden => &["delayed", "eager", "sync"][..],
+            Inputs::Confident => &["delayed"][..],
+        };
+        for mode in modes {
             let got = run_all(&pair, &routing, mode);
             for (i, (g, w)) in got.iter().zip(&expected).enumerate() {
-                assert_eq!(g, w, "{kind:?}, mode {mode}, prompt {i}");
+                assert_eq!(g, w, "{kind:?} {inputs:?}, mode {mode}, prompt {i}");
             }
         }
     }

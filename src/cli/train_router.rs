@@ -71,6 +71,15 @@ pub struct TrainRouterArgs {
     /// published router is 100 / 64 / 1024 / 6).
     #[arg(long, default_value_t = 100)]
     top_k: usize,
+    /// Give every head the SLM's confidence beside its hidden state: the entropy of the
+    /// softmax over this many of its largest logits and the margin between the top two
+    /// (default: --top-k; 0: none).
+    #[arg(long)]
+    confidence_top_k: Option<usize>,
+    /// Feed the heads the hidden state as it is, rather than standardised by the training
+    /// positions' mean and standard deviation.
+    #[arg(long)]
+    no_standardize: bool,
     #[arg(long, default_value_t = 64)]
     logits_dim: usize,
     #[arg(long, default_value_t = 256)]
@@ -242,6 +251,12 @@ pub fn run(args: TrainRouterArgs, backend: MatmulBackend) -> anyhow::Result<()> 
                 args.blocks,
             ),
             _ => HeadConfig::new(kind, data.hidden_size),
+        }
+        .with_confidence(args.confidence_top_k.unwrap_or(args.top_k));
+        let shape = if args.no_standardize {
+            shape
+        } else {
+            shape.standardized()
         };
         let (head, vars, report) = train(shape, &data, &settings)?;
         let file = format!("{}-{}.safetensors", args.name, kind.name());

@@ -11,6 +11,15 @@
 //! * `citer`: hidden → 2·hidden (ReLU) → hidden (ReLU) → 1.
 //! * `co_llm`: a linear probe, hidden → 1.
 //!
+//! A head whose config sets `confidence_top_k` also reads the SLM's confidence beside the
+//! hidden state: the entropy of the softmax over its `confidence_top_k` largest logits and the
+//! margin between the two largest, appended to the hidden state (R2R: to its concatenated
+//! input). A linear probe cannot compute an entropy from the hidden state, and the entropy
+//! alone ranks the positions that need the LLM better than heads trained on little data. A
+//! head whose config sets `standardized` standardises that state (hidden state and confidence)
+//! by the training positions' mean and spread, kept with its weights, so that the hidden
+//! state's widest dimensions do not drown the rest.
+//!
 //! Every head ends in a sigmoid; what the score means (defer when above, or confidence that
 //! keeps the token when above) is the algorithm's business.
 
@@ -80,6 +89,15 @@ pub struct HeadConfig {
     /// R2R: residual blocks.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub blocks: usize,
+    /// How many of the largest logits the confidence features are taken over (0: the head
+    /// reads no confidence features).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub confidence_top_k: usize,
+    /// Whether the head standardises what it reads beside R2R's embedding and logits (the
+    /// hidden state and the confidence features) by the training positions' mean and
+    /// standard deviation, kept with its weights (`standardize.mean`, `standardize.scale`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub standardized: bool,
     /// The decision threshold on the sigmoid score.
     pub threshold: f32,
     /// What training measured (free-form; reported, never read).
@@ -102,6 +120,8 @@ impl HeadConfig {
             logits_dim: 0,
             width: 0,
             blocks: 0,
+            confidence_top_k: 0,
+            standardized: false,
             threshold: 0.5,
             report: None,
         }
@@ -124,7 +144,44 @@ impl HeadConfig {
         }
     }
 
-    fn check(&self) -> Result<(), String> {
+    /// The head reading the confidence features over the `top_k` largest logits (0: none).
+    pub fn with_confidence(self, top_k: usize) -> Self {
+        Self {
+            confidence_top_k: top_k,
+            ..self
+        }
+    }
+
+    /// The head standardising its inputs (see [`HeadConfig::standardized`]).
+    pub fn standardized(self) -> Self {
+        Self {
+            standardized: true,
+            ..self
+        }
+    }
+
+    /// How many of the largest logits the head reads, for R2R's projection and for the
+    /// confidence features together.
+    pub fn top_width(&self) -> usize {
+        let r2r = if self.kind == HeadKind::R2r {
+            self.top_k
+        } else {
+            0
+        };
+        r2r.max(self.confidence_top_k)
+    }
+
+    /// The width of the hidden state with the confidence features appended.
+    fn state_width(&self) -> usize {
+        self.hidden_size
+            + if self.confidence_top_k > 0 {
+                CONFIDENCE_FEATURES
+            } else {
+                0
+            }
+    }
+
+    pub(crate) fn check(&self) -> Result<(), String> {
         if self.hidden_size == 0 {
             return Err("hidden_size must be positive".into());
         }
@@ -136,8 +193,27 @@ impl HeadConfig {
         {
             return Err("an r2r head needs top_k, logits_dim, width and blocks".into());
         }
+        if self.confidence_top_k == 1 {
+            return Err(
+                "confidence_top_k must be 0 (none) or at least 2: the margin needs two logits"
+                    .into(),
+            );
+        }
         Ok(())
     }
+}
+
+/// The confidence features: the entropy over the largest logits and the top-1 margin.
+const CONFIDENCE_FEATURES: usize = 2;
+
+/// `[rows, 2]`: the entropy (nats) of the softmax over each row's first `k` logits of `top`
+/// (largest first) and the margin between its two largest.
+fn confidence(top: &Tensor, k: usize) -> candle_core::Result<Tensor> {
+    let top = top.narrow(1, 0, k)?;
+    let log_p = candle_nn::ops::log_softmax(&top, 1)?;
+    let entropy = (log_p.exp()? * &log_p)?.sum_keepdim(1)?.neg()?;
+    let margin = (top.narrow(1, 0, 1)? - top.narrow(1, 1, 1)?)?;
+    Tensor::cat(&[entropy, margin], 1)
 }
 
 struct Block {
@@ -145,6 +221,10 @@ struct Block {
     fc1: Linear,
     fc2: Linear,
 }
+
+/// Names of the standardisation's tensors in a head's weights.
+pub const STANDARDIZE_MEAN: &str = "standardize.mean";
+pub const STANDARDIZE_SCALE: &str = "standardize.scale";
 
 enum Net {
     R2r {
@@ -172,12 +252,14 @@ pub struct HeadInputs<'a> {
     pub hidden: &'a [f32],
     /// `[rows, hidden]`: input embedding of the sampled token (R2R).
     pub token_embedding: &'a [f32],
-    /// `[rows, top_k]`: the largest logits, descending (R2R).
+    /// `[rows, top_width]`: the largest logits, descending (R2R and the confidence features).
     pub top_logits: &'a [f32],
 }
 
 pub struct RouterHead {
     pub config: HeadConfig,
+    /// `(mean, 1 / standard deviation)` of the state the head reads, when it standardises it.
+    standardize: Option<(Tensor, Tensor)>,
     net: Net,
 }
 
@@ -189,6 +271,15 @@ impl RouterHead {
     /// Builds the head's layers from `vb` (a file's tensors, or a training `VarMap`).
     pub fn build(config: HeadConfig, vb: VarBuilder) -> candle_core::Result<Self> {
         let h = config.hidden_size;
+        let state = config.state_width();
+        let standardize = if config.standardized {
+            Some((
+                vb.get(state, STANDARDIZE_MEAN)?,
+                vb.get(state, STANDARDIZE_SCALE)?,
+            ))
+        } else {
+            None
+        };
         let net = match config.kind {
             HeadKind::R2r => {
                 let w = config.width;
@@ -204,26 +295,30 @@ impl RouterHead {
                     .collect::<candle_core::Result<_>>()?;
                 Net::R2r {
                     logits_proj: linear(config.top_k, config.logits_dim, vb.pp("logits_proj"))?,
-                    input: linear(2 * h + config.logits_dim, w, vb.pp("input"))?,
+                    input: linear(h + state + config.logits_dim, w, vb.pp("input"))?,
                     blocks,
                     norm: layer_norm(w, ln_config(), vb.pp("norm"))?,
                     output: linear(w, 1, vb.pp("output"))?,
                 }
             }
             HeadKind::Citer => Net::Citer {
-                fc1: linear(h, 2 * h, vb.pp("fc1"))?,
+                fc1: linear(state, 2 * h, vb.pp("fc1"))?,
                 fc2: linear(2 * h, h, vb.pp("fc2"))?,
                 out: linear(h, 1, vb.pp("out"))?,
             },
             HeadKind::CoLlm => Net::CoLlm {
-                probe: linear(h, 1, vb.pp("probe"))?,
+                probe: linear(state, 1, vb.pp("probe"))?,
             },
         };
-        Ok(Self { config, net })
+        Ok(Self {
+            config,
+            standardize,
+            net,
+        })
     }
 
-    /// A head with fresh weights drawn from `seed` (uniform in ±1/√fan-in; layer norms start
-    /// as the identity), and the variables that train it.
+    /// A head with fresh weights drawn from `seed` (uniform in ±1/√fan-in; layer norms and
+    /// the standardisation start as the identity), and the variables that train it.
     pub fn init(config: HeadConfig, seed: u64) -> candle_core::Result<(Self, VarMap)> {
         let vars = VarMap::new();
         let head = Self::build(
@@ -237,8 +332,12 @@ impl RouterHead {
         for name in names {
             let var = &data[name];
             let dims = var.dims().to_vec();
-            let values: Vec<f32> = if name.contains("norm") {
-                let one = if name.ends_with("weight") { 1.0 } else { 0.0 };
+            let values: Vec<f32> = if name.contains("norm") || name.starts_with("standardize.") {
+                let one = if name.ends_with("weight") || name == STANDARDIZE_SCALE {
+                    1.0
+                } else {
+                    0.0
+                };
                 vec![one; var.elem_count()]
             } else {
                 let bound = 1.0 / (*dims.last().unwrap_or(&1) as f32).sqrt();
@@ -294,13 +393,19 @@ impl RouterHead {
         Self::build(config, vb).map_err(|e| fail(weights, e.to_string()))
     }
 
-    /// Pre-sigmoid scores, `[rows]`, from feature tensors (`embedding` and `top` only for R2R).
+    /// Pre-sigmoid scores, `[rows]`, from feature tensors: `embedding` only for R2R, `top`
+    /// (at least [`HeadConfig::top_width`] wide) for R2R and the confidence features.
     pub fn logits(
         &self,
         hidden: &Tensor,
         embedding: Option<&Tensor>,
         top: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
+        let state = self.state(hidden, top)?;
+        let hidden = &match &self.standardize {
+            Some((mean, scale)) => state.broadcast_sub(mean)?.broadcast_mul(scale)?,
+            None => state,
+        };
         let out = match &self.net {
             Net::R2r {
                 logits_proj,
@@ -311,7 +416,8 @@ impl RouterHead {
             } => {
                 let missing =
                     || candle_core::Error::Msg("r2r needs embeddings and top logits".into());
-                let projected = logits_proj.forward(top.ok_or_else(missing)?)?;
+                let top = top.ok_or_else(missing)?.narrow(1, 0, self.config.top_k)?;
+                let projected = logits_proj.forward(&top)?;
                 let x = Tensor::cat(&[hidden, embedding.ok_or_else(missing)?, &projected], 1)?;
                 let mut x = input.forward(&x)?;
                 for b in blocks {
@@ -331,6 +437,18 @@ impl RouterHead {
         out.squeeze(1)
     }
 
+    /// The state the head reads beside R2R's embedding and logits, before standardising: the
+    /// hidden state, with the confidence features appended when the head reads them.
+    pub fn state(&self, hidden: &Tensor, top: Option<&Tensor>) -> candle_core::Result<Tensor> {
+        match self.config.confidence_top_k {
+            0 => Ok(hidden.clone()),
+            k => {
+                let missing = || candle_core::Error::Msg("the head needs the top logits".into());
+                Tensor::cat(&[hidden, &confidence(top.ok_or_else(missing)?, k)?], 1)
+            }
+        }
+    }
+
     /// Sigmoid scores, one per row.
     pub fn scores(&self, inputs: &HeadInputs) -> candle_core::Result<Vec<f32>> {
         if inputs.rows == 0 {
@@ -341,12 +459,13 @@ impl RouterHead {
         let tensor =
             |data: &[f32], width: usize| Tensor::from_slice(data, (rows, width), &Device::Cpu);
         let hidden = tensor(inputs.hidden, c.hidden_size)?;
-        let (embedding, top) = match c.kind {
-            HeadKind::R2r => (
-                Some(tensor(inputs.token_embedding, c.hidden_size)?),
-                Some(tensor(inputs.top_logits, c.top_k)?),
-            ),
-            _ => (None, None),
+        let embedding = match c.kind {
+            HeadKind::R2r => Some(tensor(inputs.token_embedding, c.hidden_size)?),
+            _ => None,
+        };
+        let top = match c.top_width() {
+            0 => None,
+            width => Some(tensor(inputs.top_logits, width)?),
         };
         let logits = self.logits(&hidden, embedding.as_ref(), top.as_ref())?;
         candle_nn::ops::sigmoid(&logits)?.to_vec1()
@@ -354,130 +473,14 @@ impl RouterHead {
 
     /// The features the head reads.
     pub fn needs(&self) -> super::FeatureNeeds {
-        let r2r = self.config.kind == HeadKind::R2r;
         super::FeatureNeeds {
             hidden: true,
-            token_embedding: r2r,
-            top_logits: if r2r { self.config.top_k } else { 0 },
+            token_embedding: self.config.kind == HeadKind::R2r,
+            top_logits: self.config.top_width(),
             ..Default::default()
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn config(kind: HeadKind, hidden: usize) -> HeadConfig {
-        match kind {
-            HeadKind::R2r => HeadConfig::new(kind, hidden).with_r2r_shape(8, 4, 12, 2),
-            _ => HeadConfig::new(kind, hidden),
-        }
-    }
-
-    fn inputs(rows: usize, hidden: usize, top: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let f = |n: usize, k: f32| (0..n).map(|i| (i as f32 * k).sin()).collect::<Vec<f32>>();
-        (
-            f(rows * hidden, 0.37),
-            f(rows * hidden, 0.91),
-            f(rows * top, 1.7),
-        )
-    }
-
-    #[test]
-    fn every_kind_saves_and_loads_to_the_same_scores() {
-        let dir = tempfile::tempdir().unwrap();
-        for kind in [HeadKind::R2r, HeadKind::Citer, HeadKind::CoLlm] {
-            let (head, vars) = RouterHead::init(config(kind, 6), 3).unwrap();
-            let path = dir.path().join(format!("{kind:?}.safetensors"));
-            head.save(&vars, &path).unwrap();
-            let loaded = RouterHead::load(&path, kind, 6).unwrap();
-            let (h, e, t) = inputs(5, 6, 8);
-            let batch = HeadInputs {
-                rows: 5,
-                hidden: &h,
-                token_embedding: &e,
-                top_logits: &t,
-            };
-            let (a, b) = (head.scores(&batch).unwrap(), loaded.scores(&batch).unwrap());
-            assert_eq!(a.len(), 5);
-            assert_eq!(a, b, "{kind:?}");
-            assert!(a.iter().all(|s| (0.0..=1.0).contains(s)));
-            assert!(loaded.needs().hidden);
-            assert_eq!(loaded.needs().top_logits > 0, kind == HeadKind::R2r);
-        }
-    }
-
-    #[test]
-    fn init_is_seeded() {
-        let (a, _) = RouterHead::init(config(HeadKind::Citer, 4), 9).unwrap();
-        let (b, _) = RouterHead::init(config(HeadKind::Citer, 4), 9).unwrap();
-        let (h, e, t) = inputs(3, 4, 0);
-        let batch = HeadInputs {
-            rows: 3,
-            hidden: &h,
-            token_embedding: &e,
-            top_logits: &t,
-        };
-        assert_eq!(a.scores(&batch).unwrap(), b.scores(&batch).unwrap());
-    }
-
-    #[test]
-    fn malformed_router_files_get_errors_naming_file_and_mismatch() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("router.safetensors");
-        let (head, vars) = RouterHead::init(config(HeadKind::Citer, 6), 1).unwrap();
-        head.save(&vars, &path).unwrap();
-        let err = |r: Result<RouterHead, RoutingError>| r.err().expect("refused").to_string();
-
-        let e = err(RouterHead::load(&path, HeadKind::Citer, 8));
-        assert!(
-            e.contains("router.json") && e.contains("hidden size is 8"),
-            "{e}"
-        );
-        let e = err(RouterHead::load(&path, HeadKind::CoLlm, 6));
-        assert!(e.contains("Citer head, not CoLlm"), "{e}");
-
-        // Weights of another shape than the config says.
-        let wrong = HeadConfig {
-            hidden_size: 7,
-            ..config(HeadKind::Citer, 7)
-        };
-        std::fs::write(
-            RouterHead::config_path(&path),
-            serde_json::to_string(&wrong).unwrap(),
-        )
-        .unwrap();
-        let e = err(RouterHead::load(&path, HeadKind::Citer, 7));
-        assert!(
-            e.contains("router.safetensors") && e.contains("shape"),
-            "{e}"
-        );
-
-        let json = r#"{"kind": "citer", "hidden_size": 6}"#;
-        std::fs::write(RouterHead::config_path(&path), json).unwrap();
-        let e = err(RouterHead::load(&path, HeadKind::Citer, 6));
-        assert!(e.contains("missing field `threshold`"), "{e}");
-
-        std::fs::write(
-            RouterHead::config_path(&path),
-            r#"{"kind": "r2r", "hidden_size": 6, "threshold": 0.5}"#,
-        )
-        .unwrap();
-        let e = err(RouterHead::load(&path, HeadKind::R2r, 6));
-        assert!(e.contains("needs top_k"), "{e}");
-
-        std::fs::remove_file(RouterHead::config_path(&path)).unwrap();
-        let e = err(RouterHead::load(&path, HeadKind::Citer, 6));
-        assert!(
-            e.contains("router.json") && e.contains("cannot read"),
-            "{e}"
-        );
-        let e = err(RouterHead::load(
-            &dir.path().join("none.safetensors"),
-            HeadKind::Citer,
-            6,
-        ));
-        assert!(e.contains("none.json"), "{e}");
-    }
-}
+mod tests;

@@ -96,22 +96,56 @@ fn f64s(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| x as f64).collect()
 }
 
-/// Co-LLM's gate: sigmoid(probe · hidden).
-pub fn co_llm(w: &HeadWeights, f: &TokenFeatures) -> f32 {
-    sigmoid(w.linear("probe", &f64s(&f.hidden))[0])
+/// What a head reads beside R2R's embedding and logits: the hidden state, then (when
+/// `confidence_k` > 0) the entropy of the softmax over the `confidence_k` largest logits and
+/// the margin between the two largest; standardised by the file's `standardize.mean` and
+/// `standardize.scale` where it has them.
+pub fn state(w: &HeadWeights, f: &TokenFeatures, confidence_k: usize) -> Vec<f64> {
+    let mut x = f64s(&f.hidden);
+    if confidence_k > 0 {
+        let top = f64s(&f.sorted_logits[..confidence_k]);
+        let z: f64 = top.iter().map(|&l| (l - top[0]).exp()).sum();
+        let entropy = -top
+            .iter()
+            .map(|&l| {
+                let p = (l - top[0]).exp() / z;
+                p * p.ln()
+            })
+            .sum::<f64>();
+        x.extend([entropy, top[0] - top[1]]);
+    }
+    if let (Some((_, mean)), Some((_, scale))) =
+        (w.0.get("standardize.mean"), w.0.get("standardize.scale"))
+    {
+        for (i, v) in x.iter_mut().enumerate() {
+            *v = (*v - mean[i]) * scale[i];
+        }
+    }
+    x
 }
 
-/// CITER's confidence: hidden → 2h (ReLU) → h (ReLU) → 1, sigmoid.
-pub fn citer(w: &HeadWeights, f: &TokenFeatures) -> f32 {
-    let x = relu(w.linear("fc1", &f64s(&f.hidden)));
+/// Co-LLM's gate: sigmoid(probe · state).
+pub fn co_llm(w: &HeadWeights, f: &TokenFeatures, confidence_k: usize) -> f32 {
+    sigmoid(w.linear("probe", &state(w, f, confidence_k))[0])
+}
+
+/// CITER's confidence: state → 2h (ReLU) → h (ReLU) → 1, sigmoid.
+pub fn citer(w: &HeadWeights, f: &TokenFeatures, confidence_k: usize) -> f32 {
+    let x = relu(w.linear("fc1", &state(w, f, confidence_k)));
     let x = relu(w.linear("fc2", &x));
     sigmoid(w.linear("out", &x)[0])
 }
 
-/// R2R's score over hidden ‖ embedding ‖ projected top-k logits, `blocks` residual blocks.
-pub fn r2r(w: &HeadWeights, f: &TokenFeatures, top_k: usize, blocks: usize) -> f32 {
+/// R2R's score over state ‖ embedding ‖ projected top-k logits, `blocks` residual blocks.
+pub fn r2r(
+    w: &HeadWeights,
+    f: &TokenFeatures,
+    top_k: usize,
+    blocks: usize,
+    confidence_k: usize,
+) -> f32 {
     let projected = w.linear("logits_proj", &f64s(&f.sorted_logits[..top_k]));
-    let mut input = f64s(&f.hidden);
+    let mut input = state(w, f, confidence_k);
     input.extend(f64s(&f.embedding));
     input.extend(projected);
     let mut x = w.linear("input", &input);

@@ -307,7 +307,7 @@ fn batch_logits(
     rows: &[usize],
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let [h, e, t, y] = data.gather(rows)?;
-    let t = t.narrow(1, 0, head.config.top_k.max(1).min(data.top_k))?;
+    let t = t.narrow(1, 0, head.config.top_width().max(1).min(data.top_k))?;
     Ok((head.logits(&h, Some(&e), Some(&t))?, y))
 }
 
@@ -318,6 +318,46 @@ fn head_logits(head: &RouterHead, data: &Dataset, rows: &[usize]) -> Result<Tens
         .map(|chunk| Ok(batch_logits(head, data, chunk)?.0))
         .collect::<candle_core::Result<Vec<_>>>()?;
     Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// Sets the head's standardisation to the mean and standard deviation of the state it reads
+/// (the hidden state and any confidence features) over `rows`.
+fn standardize(
+    head: &RouterHead,
+    vars: &VarMap,
+    data: &Dataset,
+    rows: &[usize],
+) -> Result<(), TrainError> {
+    let (mut sum, mut squares) = (None::<Tensor>, None::<Tensor>);
+    for chunk in rows.chunks(SCORE_ROWS) {
+        let [h, _, t, _] = data.gather(chunk)?;
+        let x = head
+            .state(&h, Some(&t))?
+            .to_dtype(candle_core::DType::F64)?;
+        let add = |acc: Option<Tensor>, part: Tensor| -> candle_core::Result<Tensor> {
+            acc.map_or(Ok(part.clone()), |a| a + part)
+        };
+        sum = Some(add(sum, x.sum(0)?)?);
+        squares = Some(add(squares, x.sqr()?.sum(0)?)?);
+    }
+    let (Some(sum), Some(squares)) = (sum, squares) else {
+        return Err(TrainError::Data(
+            "no training positions to standardise on".into(),
+        ));
+    };
+    let n = rows.len() as f64;
+    let mean = (sum / n)?;
+    let variance = ((squares / n)? - mean.sqr()?)?.relu()?;
+    // The 1e-6 keeps a feature that is constant over the training positions finite.
+    let scale = (variance + 1e-6)?.sqrt()?.recip()?;
+    let all = vars.data().lock().expect("the variables' lock");
+    for (name, value) in [
+        (super::head::STANDARDIZE_MEAN, mean),
+        (super::head::STANDARDIZE_SCALE, scale),
+    ] {
+        all[name].set(&value.to_dtype(candle_core::DType::F32)?)?;
+    }
+    Ok(())
 }
 
 /// The head's weights by name, copied (what training returns to after the best epoch).
@@ -346,6 +386,13 @@ pub fn train(
     if config.kind == HeadKind::R2r {
         config.top_k = config.top_k.min(data.top_k);
     }
+    config.check().map_err(TrainError::Data)?;
+    if config.confidence_top_k > data.top_k {
+        return Err(TrainError::Data(format!(
+            "the confidence features read {} logits a position but the data keeps {} (collect with a larger --top-k)",
+            config.confidence_top_k, data.top_k
+        )));
+    }
     let [train_rows, calibration_rows, test_rows] = split(data, settings.holdout, settings.seed);
     let train_rows = first_texts(data, train_rows, settings.train_share);
     if train_rows.is_empty() {
@@ -368,7 +415,18 @@ pub fn train(
         weight_decay: settings.weight_decay,
         ..Default::default()
     };
-    let mut opt = AdamW::new(vars.all_vars(), params)?;
+    if config.standardized {
+        standardize(&head, &vars, data, &train_rows)?;
+    }
+    // The standardisation is measured, not learned.
+    let learned = {
+        let all = vars.data().lock().expect("the variables' lock");
+        all.iter()
+            .filter(|(name, _)| !name.starts_with("standardize."))
+            .map(|(_, var)| var.clone())
+            .collect()
+    };
+    let mut opt = AdamW::new(learned, params)?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(settings.seed ^ 0x5eed);
     let mut order = train_rows.clone();
     let calibration_targets = {
@@ -461,152 +519,4 @@ pub fn train(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Positions whose label is a known linear function of the hidden state.
-    fn separable(rows: usize, hidden: usize) -> Dataset {
-        let mut d = Dataset {
-            hidden_size: hidden,
-            top_k: 4,
-            ..Default::default()
-        };
-        for r in 0..rows {
-            let h: Vec<f32> = (0..hidden)
-                .map(|i| ((r * 7 + i * 13) as f32 * 0.61).sin())
-                .collect();
-            d.labels.push(f32::from(u8::from(h[0] + 0.5 * h[1] > 0.6)));
-            d.embedding.extend(h.iter().map(|x| x * 0.5));
-            d.hidden.extend(h);
-            d.top_logits.extend([3.0, 2.0, 1.0, 0.0]);
-            d.text.push(r / 8);
-        }
-        d
-    }
-
-    #[test]
-    fn a_probe_learns_a_separable_rule_and_meets_the_recall_target() {
-        let data = separable(1200, 6);
-        let config = HeadConfig::new(HeadKind::CoLlm, 6);
-        let settings = TrainSettings {
-            epochs: 60,
-            batch_size: 64,
-            learning_rate: 2e-2,
-            ..Default::default()
-        };
-        let (head, _, report) = train(config, &data, &settings).unwrap();
-        // The threshold is picked on the calibration texts for a recall of 0.95; on the test
-        // texts it comes close.
-        assert!(report.recall >= 0.9, "{report:?}");
-        assert!(report.precision > 0.6, "{report:?}");
-        assert!(
-            (report.routed_share - report.positive_share).abs() < 0.2,
-            "{report:?}"
-        );
-        assert_eq!(head.config.threshold, report.threshold);
-        // Each share's threshold routes about that share of the test tokens.
-        assert_eq!(report.shares.len(), TARGET_SHARES.len());
-        for (share, m) in &report.shares {
-            let target: f64 = share.parse().unwrap();
-            assert!((m.routed - target).abs() < 0.06, "{share}: {m:?}");
-            assert_eq!(report.share_thresholds[share], m.threshold);
-        }
-        assert!(report.calibration_positions > 0 && report.test_positions > 0);
-        assert_eq!(
-            report.train_positions + report.calibration_positions + report.test_positions,
-            data.rows()
-        );
-        assert!(report.auc > 0.9, "{report:?}");
-    }
-
-    #[test]
-    fn a_learning_curve_point_trains_on_fewer_texts_and_tests_on_the_same() {
-        let data = separable(1200, 6);
-        let settings = |train_share| TrainSettings {
-            epochs: 2,
-            train_share,
-            ..Default::default()
-        };
-        let config = HeadConfig::new(HeadKind::CoLlm, 6);
-        let (.., all) = train(config.clone(), &data, &settings(1.0)).unwrap();
-        let (.., half) = train(config, &data, &settings(0.5)).unwrap();
-        // 150 texts of 8 rows: 105 train, half of them whole texts.
-        assert_eq!(all.train_positions, 105 * 8);
-        assert_eq!(half.train_positions, 53 * 8);
-        assert_eq!(half.test_positions, all.test_positions);
-        assert_eq!(half.calibration_positions, all.calibration_positions);
-    }
-
-    use rand::Rng;
-
-    /// Labels that are noise: the calibration loss stops improving early, training stops
-    /// `patience` epochs later and keeps the best epoch's weights.
-    #[test]
-    fn training_stops_once_the_calibration_loss_stops_improving() {
-        let mut data = separable(1200, 6);
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        for l in &mut data.labels {
-            *l = f32::from(u8::from(rng.random_bool(0.3)));
-        }
-        let settings = TrainSettings {
-            epochs: 200,
-            patience: 3,
-            batch_size: 32,
-            learning_rate: 5e-2,
-            ..Default::default()
-        };
-        let config = HeadConfig::new(HeadKind::R2r, 6).with_r2r_shape(4, 4, 64, 2);
-        let (head, _, report) = train(config, &data, &settings).unwrap();
-        assert!(report.epochs_run < 200, "{report:?}");
-        assert_eq!(report.epochs_run, report.best_epoch + 3, "{report:?}");
-        // The weights kept are the best epoch's: their calibration loss is the reported one.
-        let [train_rows, calibration, _] = split(&data, settings.holdout, settings.seed);
-        let z = head_logits(&head, &data, &calibration).unwrap();
-        let [.., y] = data.gather(&calibration).unwrap();
-        let p = train_rows.iter().filter(|&&r| data.labels[r] > 0.5).count();
-        let w = (train_rows.len() - p) as f64 / p as f64;
-        let l = loss(&z, &y, w).unwrap().to_scalar::<f32>().unwrap();
-        assert!((l - report.final_loss).abs() < 1e-5, "{l} vs {report:?}");
-    }
-
-    #[test]
-    fn citer_learns_confidence_and_defers_below_its_threshold() {
-        let data = separable(1200, 6);
-        let config = HeadConfig::new(HeadKind::Citer, 6);
-        let settings = TrainSettings {
-            epochs: 40,
-            batch_size: 64,
-            learning_rate: 1e-2,
-            ..Default::default()
-        };
-        let (_, _, report) = train(config, &data, &settings).unwrap();
-        assert!(
-            report.recall >= 0.95 && report.precision > 0.5,
-            "{report:?}"
-        );
-    }
-
-    #[test]
-    fn one_text_is_refused_rather_than_trained_on_nothing() {
-        let data = separable(8, 6);
-        assert!(data.text.iter().all(|&t| t == 0));
-        let err = train(
-            HeadConfig::new(HeadKind::CoLlm, 6),
-            &data,
-            &TrainSettings::default(),
-        )
-        .err()
-        .expect("one text is refused");
-        assert!(err.to_string().contains("at least two"), "{err}");
-    }
-
-    #[test]
-    fn the_loss_is_the_logistic_loss() {
-        let z = Tensor::new(&[0.0f32, 2.0, -3.0], &Device::Cpu).unwrap();
-        let y = Tensor::new(&[1.0f32, 0.0, 1.0], &Device::Cpu).unwrap();
-        let got = loss(&z, &y, 1.0).unwrap().to_scalar::<f32>().unwrap();
-        let s = |x: f64| 1.0 / (1.0 + (-x).exp());
-        let want = -((s(0.0)).ln() + (1.0 - s(2.0)).ln() + s(-3.0).ln()) / 3.0;
-        assert!((got as f64 - want).abs() < 1e-5, "{got} vs {want}");
-    }
-}
+mod tests;
