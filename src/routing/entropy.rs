@@ -2,26 +2,22 @@
 //! token is dropped and the LLM generates it instead, then hands the request straight back.
 //! That is R-Stitch whose LLM always hands back (its `low` threshold is infinite), so it is
 //! built as one. With a target share instead of a threshold, the cut-off follows the
-//! entropies served ([`ShareControl`]).
+//! entropies served ([`super::share::ShareControl`]).
 
 use super::rstitch::RStitch;
-use super::share::{Cut, ShareControl};
+use super::share::Cut;
 use super::Pair;
 
-/// The entropy-threshold algorithm.
-pub fn entropy_threshold(pair: Pair, threshold: f32) -> RStitch {
-    RStitch::named("entropy", pair, Cut::Threshold(threshold), f32::INFINITY)
-}
-
-/// The entropy algorithm sending about `share` of the SLM's tokens to the LLM.
-pub fn entropy_share(pair: Pair, share: f64) -> RStitch {
-    let high = Cut::Share(ShareControl::new(share));
-    RStitch::named("entropy", pair, high, f32::INFINITY)
+/// The entropy algorithm with its cut-off: a threshold in nats, or a target share of the
+/// SLM's tokens ([`super::share::ShareControl`]).
+pub fn entropy(pair: Pair, cut: Cut) -> RStitch {
+    RStitch::named("entropy", pair, cut, f32::INFINITY)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::routing::share::ShareControl;
     use crate::routing::{BatchFeatures, ModelIndex, Route, RoutingAlgorithm, StepView};
 
     fn view(model: ModelIndex) -> StepView {
@@ -38,7 +34,7 @@ mod tests {
 
     #[test]
     fn uncertain_slm_tokens_go_to_the_llm_which_returns_after_one() {
-        let algo = entropy_threshold(Pair { slm: 0, llm: 1 }, 1.0);
+        let algo = entropy(Pair { slm: 0, llm: 1 }, Cut::Threshold(1.0));
         let mut out = Vec::new();
         let entropy = [0.5, 1.5];
         let features = BatchFeatures {
@@ -55,7 +51,7 @@ mod tests {
 
     #[test]
     fn a_share_sends_the_most_uncertain_tokens() {
-        let algo = entropy_share(Pair { slm: 0, llm: 1 }, 0.25);
+        let algo = entropy(Pair { slm: 0, llm: 1 }, Cut::Share(ShareControl::new(0.25)));
         let mut out = Vec::new();
         let entropy = [0.5, 3.0, 1.0, 2.0];
         let features = BatchFeatures {

@@ -10,7 +10,7 @@
 //!
 //! Algorithms know nothing of actors, KV blocks or HTTP; they see plain numbers.
 //!
-//! One file per algorithm: [`SingleModel`], [`entropy_threshold`], [`RStitch`], the learned
+//! One file per algorithm: [`SingleModel`], [`entropy()`], [`RStitch`], the learned
 //! routers [`r2r`], [`citer`] and [`co_llm`] (a [`LearnedDeferral`] over a [`head`] trained by
 //! [`train`]), [`QueryLevel`], the multi-model [`Ensemble`], and [`Bernoulli`], the seeded
 //! benchmark router.
@@ -37,7 +37,7 @@ pub use bernoulli::Bernoulli;
 pub use citer::citer;
 pub use co_llm::co_llm;
 pub use ensemble::Ensemble;
-pub use entropy::entropy_threshold;
+pub use entropy::entropy;
 pub use learned::LearnedDeferral;
 pub use query_level::QueryLevel;
 pub use r2r::r2r;
@@ -267,10 +267,10 @@ pub fn build(
             };
             Arc::new(SingleModel::new(index))
         }
-        RoutingConfig::Entropy { threshold, share } => Arc::new(match (share, threshold) {
-            (Some(share), _) => entropy::entropy_share(pair()?, *share),
-            (None, threshold) => entropy_threshold(pair()?, threshold.unwrap_or(f32::INFINITY)),
-        }),
+        RoutingConfig::Entropy { threshold, share } => Arc::new(entropy(
+            pair()?,
+            cut(*threshold, *share).unwrap_or(Cut::Threshold(f32::INFINITY)),
+        )),
         RoutingConfig::RStitch { high, low } => Arc::new(RStitch::new(pair()?, *high, *low)),
         RoutingConfig::R2r {
             router,
@@ -331,8 +331,8 @@ pub fn build(
     })
 }
 
-/// A learned router's cut-off as configured: a target share, or a threshold (`None`: the one
-/// trained into the head's file).
+/// A cut-off as configured: a target share, or a threshold (`None`: neither; a learned router
+/// then takes the one trained into its head's file).
 fn cut(threshold: Option<f32>, share: Option<f64>) -> Option<Cut> {
     match (share, threshold) {
         (Some(share), _) => Some(Cut::Share(share::ShareControl::new(share))),
