@@ -169,7 +169,7 @@ fn bench_model_prints_a_table_with_its_header_and_breakdown() {
 
 #[test]
 fn bench_model_prints_json_lines() {
-    let stdout = bench_model_stdout("1,3", &["--json"]);
+    let stdout = bench_model_stdout("1,3", &["--json", "--extend", "4"]);
     let rows: Vec<serde_json::Value> = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -184,6 +184,7 @@ fn bench_model_prints_json_lines() {
             "roofline_tok_s",
             "roofline_fraction",
             "read_gb_s",
+            "extend_tok_s",
         ] {
             assert!(row[key].as_f64().unwrap() > 0.0, "{key} in {row}");
         }

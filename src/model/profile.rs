@@ -43,6 +43,7 @@ pub fn step_latencies(model: &Model, max_batch: usize, kv_dtype: KvDtype) -> Res
     let work = Workload {
         prompt_len: 16,
         decode_steps: 4,
+        extend: 0,
         seed: 0,
         kv_dtype,
     };

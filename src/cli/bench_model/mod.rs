@@ -38,6 +38,10 @@ pub struct BenchArgs {
     /// Decode steps timed per batch size.
     #[arg(long, default_value_t = 16)]
     decode_steps: usize,
+    /// After the decode steps, also time one step extending every sequence by this many new
+    /// tokens (a routed model's catch-up on the tokens produced elsewhere), as "extend tok/s".
+    #[arg(long, default_value_t = 0)]
+    extend: usize,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -94,10 +98,10 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     };
     let (model, name) = load(backend)?;
     let model = &model;
-    let needed = args.prompt_len + args.decode_steps;
+    let needed = args.prompt_len + args.decode_steps + args.extend;
     if needed > model.config().context_length {
         anyhow::bail!(
-            "--prompt-len + --decode-steps = {needed} exceeds the model's context length {}",
+            "--prompt-len + --decode-steps + --extend = {needed} exceeds the model's context length {}",
             model.config().context_length
         );
     }
@@ -166,6 +170,9 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
             "{:>6} {:>14} {:>14} {:>10} {:>10} {:>10}",
             "batch", "prefill tok/s", "decode tok/s", "read GB/s", "roofline", "% roofline"
         );
+        if args.extend > 0 {
+            print!(" {:>13}", "extend tok/s");
+        }
         if baseline.is_some() {
             print!(
                 " {:>15} {:>15} {:>9}",
@@ -177,6 +184,7 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     let workload = Workload {
         prompt_len: args.prompt_len,
         decode_steps: args.decode_steps,
+        extend: args.extend,
         seed: args.seed,
         kv_dtype: args.kv_dtype,
     };
@@ -295,6 +303,9 @@ impl Row {
             "read_gb_s": self.read / 1e9,
             "kernels": kernels,
         });
+        if let Some(rate) = t.extend_tok_s {
+            obj["extend_tok_s"] = rate.into();
+        }
         if let Some(s) = &self.shares {
             obj["breakdown"] = s.json();
         }
@@ -327,6 +338,9 @@ impl Row {
             self.roofline,
             100.0 * self.fraction
         );
+        if let Some(rate) = t.extend_tok_s {
+            print!(" {rate:>13.1}");
+        }
         if let Some(b) = base {
             print!(
                 " {:>15.1} {:>15.1} {:>8.1}x",

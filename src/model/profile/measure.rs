@@ -15,11 +15,13 @@ use crate::model::{KvCache, Model};
 use crate::scheduler::BlockPool;
 
 /// What one measurement runs: prompts of `prompt_len` random ids, then `decode_steps` greedy
-/// steps.
+/// steps, then (when `extend` > 0) one step extending every sequence by `extend` random ids:
+/// the shape of the catch-ups a routed model runs on the tokens produced elsewhere.
 #[derive(Debug, Clone, Copy)]
 pub struct Workload {
     pub prompt_len: usize,
     pub decode_steps: usize,
+    pub extend: usize,
     pub seed: u64,
     pub kv_dtype: KvDtype,
 }
@@ -32,6 +34,8 @@ pub struct Throughput {
     pub batch_tokens: usize,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
+    /// New tokens a second of the extend step, when the workload has one.
+    pub extend_tok_s: Option<f64>,
     /// Seconds of each timed decode step, in order.
     pub step_secs: Vec<f64>,
     /// Where the decode steps' time went, when [`set_breakdown`](crate::model::timing::set_breakdown) is on.
@@ -66,7 +70,8 @@ pub fn measure_with(
 ) -> Result<Throughput> {
     let config = model.config();
     let block_size = 16;
-    let per_seq = (work.prompt_len + work.decode_steps + 1).div_ceil(block_size) * block_size;
+    let per_seq =
+        (work.prompt_len + work.decode_steps + work.extend + 1).div_ceil(block_size) * block_size;
     let mut kv = model.kv_cache_for(block_size, batch * per_seq, work.kv_dtype)?;
     let pool = BlockPool::new(kv.num_blocks());
     if model.on_gpu() {
@@ -121,10 +126,26 @@ pub fn measure_with(
     let breakdown = take_breakdown();
     let decode_kernels = model.take_kernel_times()?;
     let decode: f64 = step_secs.iter().sum();
+    let extend_tok_s = match work.extend {
+        0 => None,
+        n => {
+            for seq in &mut seqs {
+                seq.tokens
+                    .extend((0..n).map(|_| rng.random_range(id_range.clone())));
+            }
+            let started = Instant::now();
+            step_all(&mut seqs)?;
+            let secs = started.elapsed().as_secs_f64();
+            take_breakdown();
+            model.take_kernel_times()?;
+            Some((batch * n) as f64 / secs)
+        }
+    };
     Ok(Throughput {
         batch_tokens: batch * work.prompt_len,
         prefill_tok_s: (batch * work.prompt_len) as f64 / prefill,
         decode_tok_s: (batch * work.decode_steps) as f64 / decode,
+        extend_tok_s,
         step_secs,
         breakdown,
         prefill_breakdown,
