@@ -13,7 +13,8 @@
 # citer:0.3" adds runs of those heads at those thresholds (labelled r2r-t0.4, ...); SHARES="co_llm:0.10
 # entropy:0.15" adds runs of those heads (or of the entropy rule) with `share` (labelled
 # co-llm-s0.10, ...); RUNS=dir writes
-# there instead of runs/ (a concurrency-1 sweep beside the full one).
+# there instead of runs/ (a concurrency-1 sweep beside the full one); TAG=conf appends "-conf" to
+# the THRESHOLDS and SHARES labels (heads of another ROUTER_NAME beside the shipped ones).
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -24,6 +25,7 @@ port="${PORT:-30211}"
 runs="${RUNS:-runs}"
 routers="$root/routers"
 name="${ROUTER_NAME:-qwen-pair}"
+tag="${TAG:+-$TAG}"
 bin="${TOKENROUTER:-$root/target/release/tokenrouter}"
 mkdir -p "$runs"
 [ -n "${TOKENROUTER:-}" ] || cargo build --release --quiet
@@ -86,14 +88,16 @@ threshold = $threshold"
 done
 for spec in ${THRESHOLDS:-}; do
   kind="${spec%%:*}" threshold="${spec#*:}"
-  ONLY="${ONLY:+$ONLY }${kind//_/-}-t$threshold" run "${kind//_/-}-t$threshold" "algorithm = \"${kind//_/-}\"
+  label="${kind//_/-}-t$threshold$tag"
+  ONLY="${ONLY:+$ONLY }$label" run "$label" "algorithm = \"${kind//_/-}\"
 router = \"$routers/$name-$kind.safetensors\"
 threshold = $threshold"
 done
 for spec in ${SHARES:-}; do
   kind="${spec%%:*}" share="${spec#*:}" router=""
   [ "$kind" = entropy ] || router="router = \"$routers/$name-$kind.safetensors\""
-  ONLY="${ONLY:+$ONLY }${kind//_/-}-s$share" run "${kind//_/-}-s$share" "algorithm = \"${kind//_/-}\"
+  label="${kind//_/-}-s$share$tag"
+  ONLY="${ONLY:+$ONLY }$label" run "$label" "algorithm = \"${kind//_/-}\"
 $router
 share = $share"
 done

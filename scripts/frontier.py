@@ -18,6 +18,13 @@ import math
 import os
 import sys
 
+# What a label's suffix says about the heads (scripts/eval-routing.sh's TAG).
+TAGS = {
+    "conf": "heads that also read the SLM's confidence, with standardised inputs\n"
+            "([perf-notes/router-training.md](perf-notes/router-training.md))",
+    "210": "such heads trained on 210 completions rather than 105",
+}
+
 # Plot colours by algorithm family (the label's first word).
 COLOURS = {
     "llm": "#d62728", "slm": "#1f77b4", "query": "#7f7f7f", "r": "#9467bd",
@@ -152,6 +159,9 @@ def main():
                     "recovered\" is (pass@1 - SLM) / (LLM - SLM)."
                     + (" \"tok/s at c = 1\" is one request at a time over the first "
                        f"{'/'.join(map(str, sorted(single_n)))}\nproblems." if single else "")
+                    + "".join(f" Labels ending in `-{tag}` are {what}."
+                              for tag, what in TAGS.items()
+                              if any(label.endswith(f"-{tag}") for label in runs))
                     + " The plot is\n"
                     f"[{plot}]({plot}); what it shows is summed up in\n"
                     "[benchmarks.md](benchmarks.md#routing-quality-humaneval).\n\n" + table)
