@@ -226,6 +226,11 @@ struct Block {
 pub const STANDARDIZE_MEAN: &str = "standardize.mean";
 pub const STANDARDIZE_SCALE: &str = "standardize.scale";
 
+/// Whether a weight is part of the standardisation (measured on the data, never trained).
+pub fn is_standardization(name: &str) -> bool {
+    name == STANDARDIZE_MEAN || name == STANDARDIZE_SCALE
+}
+
 enum Net {
     R2r {
         logits_proj: Linear,
@@ -332,7 +337,7 @@ impl RouterHead {
         for name in names {
             let var = &data[name];
             let dims = var.dims().to_vec();
-            let values: Vec<f32> = if name.contains("norm") || name.starts_with("standardize.") {
+            let values: Vec<f32> = if name.contains("norm") || is_standardization(name) {
                 let one = if name.ends_with("weight") || name == STANDARDIZE_SCALE {
                     1.0
                 } else {

@@ -334,8 +334,9 @@ fn standardize(
         let x = head
             .state(&h, Some(&t))?
             .to_dtype(candle_core::DType::F64)?;
-        let add = |acc: Option<Tensor>, part: Tensor| -> candle_core::Result<Tensor> {
-            acc.map_or(Ok(part.clone()), |a| a + part)
+        let add = |acc: Option<Tensor>, part: Tensor| match acc {
+            Some(a) => a + part,
+            None => Ok(part),
         };
         sum = Some(add(sum, x.sum(0)?)?);
         squares = Some(add(squares, x.sqr()?.sum(0)?)?);
@@ -422,7 +423,7 @@ pub fn train(
     let learned = {
         let all = vars.data().lock().expect("the variables' lock");
         all.iter()
-            .filter(|(name, _)| !name.starts_with("standardize."))
+            .filter(|(name, _)| !super::head::is_standardization(name))
             .map(|(_, var)| var.clone())
             .collect()
     };
