@@ -14,7 +14,10 @@
 # entropy:0.15" adds runs of those heads (or of the entropy rule) with `share` (labelled
 # co-llm-s0.10, ...); RUNS=dir writes
 # there instead of runs/ (a concurrency-1 sweep beside the full one); TAG=conf appends "-conf" to
-# the THRESHOLDS and SHARES labels (heads of another ROUTER_NAME beside the shipped ones).
+# the THRESHOLDS and SHARES labels (heads of another ROUTER_NAME beside the shipped ones);
+# SAMPLES=3 TEMPERATURE=0.2 samples every problem three times (top-p 0.95, request seeds fixed by
+# SEED, default 0, the problem and the sample, so every configuration draws with the same seeds);
+# give such runs their own RUNS directory, with its own llm.json.
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -56,6 +59,7 @@ run() {
   [ "$label" != llm ] && reference=(--reference "$runs/llm.json")
   python3 scripts/eval_humaneval.py --url "http://127.0.0.1:$port" --label "$label" \
     --problems "$problems" --concurrency "$concurrency" "${reference[@]}" \
+    --samples "${SAMPLES:-1}" --temperature "${TEMPERATURE:-0}" --seed "${SEED:-0}" \
     --out "$runs/$label.json" | tee -a "$runs/summary.jsonl"
   kill "$server"; wait "$server" || true
 }

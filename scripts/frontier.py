@@ -2,20 +2,26 @@
 """The quality-speed frontier from scripts/eval-routing.sh's runs: a Markdown table and an SVG
 plot of pass@1 against output tokens per second, one point per configuration.
 
-For each run: pass@1 with its 95 % Wilson interval, the paired difference to the LLM alone
-on the same problems with an exact McNemar p-value, the share of the LLM-over-SLM gap it
-recovers, its LLM token share and its output tok/s; with --single, the output tok/s of the
-same configuration's concurrency-1 run (scripts/eval-routing.sh with RUNS=runs/c1
-CONCURRENCY=1, usually on fewer problems).
+For each run: pass@1 with its 95 % interval, the paired difference to the LLM alone on the
+same problems with its two-sided p-value, the share of the LLM-over-SLM gap it recovers, its
+LLM token share and its output tok/s; with --single, the output tok/s of the same
+configuration's concurrency-1 run (scripts/eval-routing.sh with RUNS=runs/c1 CONCURRENCY=1,
+usually on fewer problems); with --against LABEL, the paired difference to that run as well.
 
-Usage: frontier.py [--runs runs] [--single runs/c1] [--table docs/frontier.md]
-                   [--plot docs/frontier.svg]
+Runs of one completion per problem (greedy) take Wilson's interval and the exact McNemar test.
+Runs of several samples per problem (SAMPLES=n) score each problem by the share of its samples
+that pass, and take a bootstrap over problems for the interval and a paired sign-flip
+permutation test over problems for the p-value, both seeded.
+
+Usage: frontier.py [--runs runs] [--single runs/c1] [--against query-level-0.10]
+                   [--table docs/frontier.md] [--plot docs/frontier.svg]
 """
 import argparse
 import glob
 import json
 import math
 import os
+import random
 import sys
 
 # What a label's suffix says about the heads (scripts/eval-routing.sh's TAG).
@@ -49,6 +55,43 @@ def mcnemar(b, c):
     k = min(b, c)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
     return min(1.0, 2 * tail)
+
+
+def rates(data):
+    """Each problem's share of passing samples, by task id."""
+    passed, total = {}, {}
+    for r in data["results"]:
+        passed[r["task_id"]] = passed.get(r["task_id"], 0) + r["passed"]
+        total[r["task_id"]] = total.get(r["task_id"], 0) + 1
+    return {task: passed[task] / total[task] for task in total}
+
+
+def bootstrap(values, draws=10000, seed=0):
+    """95 % percentile interval of the mean of `values` over problems resampled."""
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(draws))
+    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+
+
+def sign_flip(diffs, draws=20000, seed=0):
+    """Two-sided p-value of a paired sign-flip permutation test of mean(diffs) = 0."""
+    rng = random.Random(seed)
+    observed = abs(sum(diffs))
+    hits = sum(abs(sum(d if rng.random() < 0.5 else -d for d in diffs)) >= observed - 1e-12
+               for _ in range(draws))
+    return (hits + 1) / (draws + 1)
+
+
+def paired(run, other):
+    """(mean difference, p-value) of `run` against `other` over the problems both scored."""
+    tasks = [t for t in run["rates"] if t in other["rates"]]
+    diffs = [run["rates"][t] - other["rates"][t] for t in tasks]
+    if run["samples"] == 1 and other["samples"] == 1:
+        b = sum(1 for d in diffs if d < 0)
+        c = sum(1 for d in diffs if d > 0)
+        return (c - b) / len(tasks), mcnemar(b, c)
+    return sum(diffs) / len(tasks), sign_flip(diffs)
 
 
 def load(runs):
@@ -108,27 +151,36 @@ def main():
     parser.add_argument("--plot", default="docs/frontier.svg")
     parser.add_argument("--single", default="runs/c1",
                         help="runs at concurrency 1, for their tok/s (absent: left out)")
+    parser.add_argument("--against", help="a run's label: the paired difference to it too")
     args = parser.parse_args()
     runs = load(args.runs)
     single = load(args.single) if os.path.isdir(args.single) else {}
     single_n = {len(d["results"]) for d in single.values()}
     if "llm" not in runs or "slm" not in runs:
         sys.exit(f"frontier: {args.runs} needs llm.json and slm.json (scripts/eval-routing.sh)")
-    llm = {r["task_id"]: r["passed"] for r in runs["llm"]["results"]}
+    if args.against and args.against not in runs:
+        sys.exit(f"frontier: no run labelled {args.against} in {args.runs}")
+    scored = {}
+    for label, data in runs.items():
+        scored[label] = {"rates": rates(data),
+                         "samples": data["summary"].get("samples", 1)}
     slm_pass = runs["slm"]["summary"]["pass@1"]
     llm_pass = runs["llm"]["summary"]["pass@1"]
+    gap = llm_pass - slm_pass
     rows = []
     for label, data in runs.items():
-        results = data["results"]
-        passed = sum(r["passed"] for r in results)
-        n = len(results)
-        b = sum(1 for r in results if llm.get(r["task_id"]) and not r["passed"])
-        c = sum(1 for r in results if r["passed"] and llm.get(r["task_id"]) is False)
-        gap = llm_pass - slm_pass
+        run = scored[label]
+        values = list(run["rates"].values())
+        n = len(values)
+        pass_at_1 = sum(values) / n
+        interval = (wilson(round(sum(values)), n) if run["samples"] == 1
+                    else bootstrap(values))
+        diff, p = paired(run, scored["llm"])
         rows.append({
-            "label": label, "n": n, "pass": passed / n, "interval": wilson(passed, n),
-            "diff": (c - b) / n, "p": mcnemar(b, c),
-            "recovered": (passed / n - slm_pass) / gap if gap > 0 else float("nan"),
+            "label": label, "n": n, "samples": run["samples"], "pass": pass_at_1,
+            "interval": interval, "diff": diff, "p": p,
+            "against": paired(run, scored[args.against]) if args.against else None,
+            "recovered": (pass_at_1 - slm_pass) / gap if gap > 0 else float("nan"),
             "share": data["summary"]["llm_token_share"] if label != "llm" else 1.0,
             "tok_s": data["summary"]["output_tok_s"],
             "tok_s_1": single[label]["summary"]["output_tok_s"] if label in single else None,
@@ -136,27 +188,47 @@ def main():
     rows.sort(key=lambda r: (r["label"] != "llm", r["label"] != "slm", r["share"]))
     concurrency = {d["summary"].get("concurrency") for d in runs.values()} - {None}
     at = f" at c = {concurrency.pop()}" if len(concurrency) == 1 else ""
-    lines = ["| configuration | problems | pass@1 | 95 % interval | vs LLM (paired) | McNemar p "
+    against = f" vs {args.against} (paired) | p |" if args.against else ""
+    lines = ["| configuration | problems | pass@1 | 95 % interval | vs LLM (paired) | p "
              f"| gap recovered | LLM tokens | output tok/s{at} |"
-             + (" tok/s at c = 1 |" if single else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if single else "")]
+             + (" tok/s at c = 1 |" if single else "") + against,
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if single else "")
+             + ("---|---|" if args.against else "")]
     for r in rows:
         lo, hi = r["interval"]
         one = "" if not single else (
             f" {r['tok_s_1']:.1f} |" if r["tok_s_1"] is not None else " - |")
+        versus = "" if r["against"] is None else (
+            f" {100 * r['against'][0]:+.1f} pts | {r['against'][1]:.3f} |")
         lines.append(f"| {r['label']} | {r['n']} | {r['pass']:.3f} | {lo:.3f}-{hi:.3f} "
                      f"| {100 * r['diff']:+.1f} pts | {r['p']:.3f} | {100 * r['recovered']:.0f} % "
-                     f"| {100 * r['share']:.1f} % | {r['tok_s']:.1f} |{one}")
+                     f"| {100 * r['share']:.1f} % | {r['tok_s']:.1f} |{one}{versus}")
     table = "\n".join(lines) + "\n"
     print(table)
+    samples = {r["samples"] for r in rows}
+    temperatures = {d["summary"].get("temperature", 0) for d in runs.values()}
+    if samples == {1} and temperatures <= {0}:
+        decoding = "greedy"
+        tests = "the exact McNemar test's p"
+        interval = "Wilson's interval"
+    else:
+        decoding = (f"{'/'.join(map(str, sorted(samples)))} samples a problem at temperature "
+                    f"{'/'.join(map(str, sorted(temperatures)))}, top-p 0.95, the same request "
+                    "seeds in every configuration; a problem scores the share of its samples "
+                    "that pass")
+        tests = "a paired sign-flip permutation test's p over problems"
+        interval = "a bootstrap over problems"
     if args.table:
         with open(args.table, "w") as f:
             plot = os.path.basename(args.plot)
             f.write("# HumanEval frontier of the shipped pair\n\n"
                     "Written by `scripts/frontier.py` from the runs of `scripts/eval-routing.sh`\n"
-                    "(greedy, 192 tokens at most, HumanEval's stop strings). \"vs LLM\" is the\n"
-                    "paired difference in pass@1 to the LLM alone on the same problems; \"gap\n"
-                    "recovered\" is (pass@1 - SLM) / (LLM - SLM)."
+                    f"({decoding}; 192 tokens at most, HumanEval's stop strings). The interval is\n"
+                    f"{interval}. \"vs LLM\" is the paired difference in pass@1 to the LLM alone\n"
+                    f"on the same problems, with {tests}; \"gap recovered\" is\n"
+                    "(pass@1 - SLM) / (LLM - SLM)."
+                    + (f" \"vs {args.against}\" is the paired difference to that run."
+                       if args.against else "")
                     + (" \"tok/s at c = 1\" is one request at a time over the first "
                        f"{'/'.join(map(str, sorted(single_n)))}\nproblems." if single else "")
                     + "".join(f" Labels ending in `-{tag}` are {what}."
