@@ -6,7 +6,9 @@ For each run: pass@1 with its 95 % interval, the paired difference to the LLM al
 same problems with its two-sided p-value, the share of the LLM-over-SLM gap it recovers, its
 LLM token share and its output tok/s; with --single, the output tok/s of the same
 configuration's concurrency-1 run (scripts/eval-routing.sh with RUNS=runs/c1 CONCURRENCY=1,
-usually on fewer problems); with --against LABEL, the paired difference to that run as well.
+usually on fewer problems); with --against LABEL, the paired difference to that run as well;
+with --speed-from DIR, the tok/s of the run of the same label in DIR instead of the run's own
+(sampled runs made while the machine did other work, beside greedy runs timed on a quiet one).
 
 Runs of one completion per problem (greedy) take Wilson's interval and the exact McNemar test.
 Runs of several samples per problem (SAMPLES=n) score each problem by the share of its samples
@@ -14,7 +16,7 @@ that pass, and take a bootstrap over problems for the interval and a paired sign
 permutation test over problems for the p-value, both seeded.
 
 Usage: frontier.py [--runs runs] [--single runs/c1] [--against query-level-0.10]
-                   [--table docs/frontier.md] [--plot docs/frontier.svg]
+                   [--speed-from runs] [--table docs/frontier.md] [--plot docs/frontier.svg]
 """
 import argparse
 import glob
@@ -152,6 +154,7 @@ def main():
     parser.add_argument("--single", default="runs/c1",
                         help="runs at concurrency 1, for their tok/s (absent: left out)")
     parser.add_argument("--against", help="a run's label: the paired difference to it too")
+    parser.add_argument("--speed-from", help="runs whose tok/s to show, by label")
     args = parser.parse_args()
     runs = load(args.runs)
     single = load(args.single) if os.path.isdir(args.single) else {}
@@ -160,6 +163,12 @@ def main():
         sys.exit(f"frontier: {args.runs} needs llm.json and slm.json (scripts/eval-routing.sh)")
     if args.against and args.against not in runs:
         sys.exit(f"frontier: no run labelled {args.against} in {args.runs}")
+    timed = runs
+    if args.speed_from:
+        timed = load(args.speed_from)
+        missing = sorted(set(runs) - set(timed))
+        if missing:
+            sys.exit(f"frontier: {args.speed_from} has no run labelled {', '.join(missing)}")
     scored = {}
     for label, data in runs.items():
         scored[label] = {"rates": rates(data),
@@ -182,11 +191,11 @@ def main():
             "against": paired(run, scored[args.against]) if args.against else None,
             "recovered": (pass_at_1 - slm_pass) / gap if gap > 0 else float("nan"),
             "share": data["summary"]["llm_token_share"] if label != "llm" else 1.0,
-            "tok_s": data["summary"]["output_tok_s"],
+            "tok_s": timed[label]["summary"]["output_tok_s"],
             "tok_s_1": single[label]["summary"]["output_tok_s"] if label in single else None,
         })
     rows.sort(key=lambda r: (r["label"] != "llm", r["label"] != "slm", r["share"]))
-    concurrency = {d["summary"].get("concurrency") for d in runs.values()} - {None}
+    concurrency = {timed[label]["summary"].get("concurrency") for label in runs} - {None}
     at = f" at c = {concurrency.pop()}" if len(concurrency) == 1 else ""
     against = f" vs {args.against} (paired) | p |" if args.against else ""
     lines = ["| configuration | problems | pass@1 | 95 % interval | vs LLM (paired) | p "
@@ -221,7 +230,8 @@ def main():
     if args.table:
         with open(args.table, "w") as f:
             plot = os.path.basename(args.plot)
-            f.write("# HumanEval frontier of the shipped pair\n\n"
+            f.write("# HumanEval frontier of the shipped pair"
+                    + ("" if decoding == "greedy" else ", sampled") + "\n\n"
                     "Written by `scripts/frontier.py` from the runs of `scripts/eval-routing.sh`\n"
                     f"({decoding}; 192 tokens at most, HumanEval's stop strings). The interval is\n"
                     f"{interval}. \"vs LLM\" is the paired difference in pass@1 to the LLM alone\n"
@@ -229,6 +239,9 @@ def main():
                     "(pass@1 - SLM) / (LLM - SLM)."
                     + (f" \"vs {args.against}\" is the paired difference to that run."
                        if args.against else "")
+                    + (f" The tok/s are those of the greedy runs of the same configurations\n"
+                       f"(`{args.speed_from}`), timed on a machine doing nothing else."
+                       if args.speed_from else "")
                     + (" \"tok/s at c = 1\" is one request at a time over the first "
                        f"{'/'.join(map(str, sorted(single_n)))}\nproblems." if single else "")
                     + "".join(f" Labels ending in `-{tag}` are {what}."
