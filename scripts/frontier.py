@@ -59,6 +59,11 @@ def mcnemar(b, c):
     return min(1.0, 2 * tail)
 
 
+def mean(values):
+    values = list(values)
+    return sum(values) / len(values)
+
+
 def rates(data):
     """Each problem's share of passing samples, by task id."""
     passed, total = {}, {}
@@ -173,15 +178,14 @@ def main():
     for label, data in runs.items():
         scored[label] = {"rates": rates(data),
                          "samples": data["summary"].get("samples", 1)}
-    slm_pass = runs["slm"]["summary"]["pass@1"]
-    llm_pass = runs["llm"]["summary"]["pass@1"]
+    slm_pass, llm_pass = (mean(scored[label]["rates"].values()) for label in ("slm", "llm"))
     gap = llm_pass - slm_pass
     rows = []
     for label, data in runs.items():
         run = scored[label]
         values = list(run["rates"].values())
         n = len(values)
-        pass_at_1 = sum(values) / n
+        pass_at_1 = mean(values)
         interval = (wilson(round(sum(values)), n) if run["samples"] == 1
                     else bootstrap(values))
         diff, p = paired(run, scored["llm"])
