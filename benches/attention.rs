@@ -1,8 +1,8 @@
 //! Paged attention throughput: decode (one query token per sequence) over contexts of
 //! different lengths, with the cache in f32 and in f16, reported as GB/s of f32 K/V (so the
 //! two types' rates compare directly), with a dense dot-product pass over the f32 bytes as the
-//! in-run baseline; and decode over a cold f16 cache (GB/s of the f16 bytes), against a plain
-//! cold read.
+//! in-run baseline; decode over a cold f16 cache (GB/s of the f16 bytes), against a plain
+//! cold read; and a prefill, a prompt attending to itself (prompt tokens a second).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rand::{Rng, SeedableRng};
@@ -102,6 +102,35 @@ fn decode(c: &mut Criterion) {
     group.finish();
 }
 
+/// A prompt of `ctx` tokens attending to itself (a prefill), f16 cache, 0.5B shapes.
+fn prefill(c: &mut Criterion) {
+    let mut group = c.benchmark_group("paged_attention_prefill");
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    for (heads, kv_heads, ctx) in [(14usize, 2usize, 512usize), (14, 2, 2048), (9, 3, 512)] {
+        let blocks = ctx.div_ceil(BLOCK);
+        let row = kv_heads * BLOCK * HEAD_DIM;
+        let k: Vec<half::f16> = (0..blocks * row)
+            .map(|_| half::f16::from_f32(rng.random_range(-1.0..1.0)))
+            .collect();
+        let v = k.clone();
+        let table: Vec<u32> = (0..blocks as u32).collect();
+        let seqs = [AttentionSeq {
+            blocks: &table,
+            start_pos: 0,
+            num_tokens: ctx,
+        }];
+        let q = query(&mut rng, ctx * heads);
+        let mut out = vec![0f32; q.len()];
+        let kv = paged(&k, &v, kv_heads);
+        group.throughput(Throughput::Elements(ctx as u64));
+        let id = format!("h{heads}_kv{kv_heads}_ctx{ctx}");
+        group.bench_with_input(BenchmarkId::new("paged_f16", &id), &(), |bench, _| {
+            bench.iter(|| paged_attention(&q, heads, &kv, &seqs, 0.125, &mut out))
+        });
+    }
+    group.finish();
+}
+
 /// Decode over a cache that is not in any CPU cache, as in a real decode step (the weights
 /// have streamed through since the last one): every iteration reads another copy of the
 /// sequences' blocks, out of 128 MB of K and as much of V. The baseline is a plain parallel
@@ -165,5 +194,5 @@ fn decode_cold(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode, decode_cold);
+criterion_group!(benches, decode, decode_cold, prefill);
 criterion_main!(benches);

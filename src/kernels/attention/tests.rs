@@ -260,6 +260,15 @@ fn a_state_carried_across_spans_matches_one_span() {
 }
 
 #[test]
+fn long_prefills_match_dense_attention() {
+    // Prompts over many blocks beside short extends and a decode, in the real models' group
+    // shapes (7 and 6 query heads a KV head, odd and even) and an awkward one.
+    run_case(16, 14, 2, 64, &[(0, 40), (5, 9), (70, 1)]);
+    run_case(16, 12, 2, 128, &[(0, 37), (3, 6)]);
+    run_case(5, 9, 3, 24, &[(0, 23), (12, 11)]);
+}
+
+#[test]
 fn multi_head_attention_without_grouping_matches() {
     run_case(8, 4, 4, 16, &[(0, 9), (8, 8)]);
 }
