@@ -102,7 +102,8 @@ fn decode(c: &mut Criterion) {
     group.finish();
 }
 
-/// A prompt of `ctx` tokens attending to itself (a prefill), f16 cache, 0.5B shapes.
+/// A prompt of `ctx` tokens attending to itself (a prefill), f16 cache, in the 0.5B's and
+/// SmolLM2-135M's head shapes.
 fn prefill(c: &mut Criterion) {
     let mut group = c.benchmark_group("paged_attention_prefill");
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
