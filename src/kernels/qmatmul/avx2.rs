@@ -60,6 +60,9 @@ pub trait ByteDot: 'static {
     /// Whether the interleaved tiles request their weights at the 512-bit one-row kernels'
     /// distances, into L2 as well as L1 (the AVX-512 machines': see `interleaved::tile_prefetch_line`).
     const L2_REQUESTS: bool = false;
+    /// Whether the kernels are compiled for AVX-512 VNNI, so the tiles may take the passes of
+    /// `interleaved::evex` (EVEX-encoded: broadcasts from memory, 32 registers).
+    const EVEX: bool = false;
     /// `acc + q · x` in 32-bit lanes.
     ///
     /// # Safety
@@ -94,6 +97,7 @@ impl ByteDot for AvxVnniDot {
 impl ByteDot for Avx512VnniDot {
     const VNNI: bool = true;
     const L2_REQUESTS: bool = true;
+    const EVEX: bool = true;
     #[inline(always)]
     unsafe fn dpbusd(acc: __m256i, q: __m256i, x: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, q, x)

@@ -415,7 +415,7 @@ mod zmm {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::{broadcast4, tile_prefetch_line};
+    use super::super::{broadcast4, evex, tile_prefetch_line};
     use super::{ActBlockK, BlockQ4Kx8, ROWS};
     use crate::kernels::qmatmul::avx2::{add16, dp16, scaled, scales};
     use crate::kernels::qmatmul::ByteDot;
@@ -455,6 +455,35 @@ mod avx2 {
             let block = w.get_unchecked(b);
             let rows: [&ActBlockK; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
             let mut sumi = [_mm256_setzero_si256(); T];
+            if D::EVEX && T == 4 {
+                // The passes below in assembly (see `interleaved::evex`). `T` is 4 here; the
+                // index only has to compile for every `T`.
+                let a: [*const i8; 4] = std::array::from_fn(|r| rows[r % T].qs.as_ptr());
+                let sumi4 = <&mut [__m256i; 4]>::try_from(&mut sumi[..]).expect("four rows");
+                let ahead = (block as *const BlockQ4Kx8 as *const u8)
+                    .wrapping_add(<BlockQ4Kx8 as super::Interleaved>::PREFETCH_AHEAD);
+                for p in 0..4 {
+                    // The lines `prefetch_slot` gives the pass: `qs` lines 4p..4p + 4, then
+                    // tail line 16 + p but for the last pass (which requests a line again).
+                    let pf = ahead.wrapping_add(64 * 4 * p);
+                    let last = if p < 3 {
+                        ahead.wrapping_add(64 * (16 + p))
+                    } else {
+                        pf
+                    };
+                    evex::q4k_pass4(
+                        block.qs.as_ptr().add(256 * p),
+                        a.map(|x| x.add(64 * p)),
+                        block.scales.as_ptr().add(16 * p),
+                        m4,
+                        pf,
+                        last,
+                        sumi4,
+                    );
+                }
+                finish(block, &rows, &sumi, &mut acc);
+                continue;
+            }
             // Sub-blocks `2p` and `2p + 1` share their bytes (low and high nibbles).
             for p in 0..4 {
                 // VNNI: both sub-blocks in one pass over the bytes, their sums independent

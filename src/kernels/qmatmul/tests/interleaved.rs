@@ -202,8 +202,9 @@ fn check_amx<P: Interleaved>() {
 
 /// A row's product is the same bits with every SIMD instruction set and wherever it sits in a
 /// batch, plain and gated: the integer sums are exact and the float steps the same operations
-/// in the same order, in the 256-bit tiles, the 512-bit one-row kernels and the AMX tiles
-/// alike. So a sequence decodes the same alone or batched, and on any of these paths.
+/// in the same order, in the 256-bit tiles (whose Q4_K tiles of four rows, in batches of 8
+/// and 17, take the assembly passes with AVX-512 VNNI), the 512-bit one-row kernels and the
+/// AMX tiles alike. So a sequence decodes the same alone or batched, and on any of these paths.
 fn check_row_bits<P: Interleaved>() {
     if !Isa::Avx2.is_available() {
         eprintln!("no SIMD path here: nothing to compare");
@@ -214,7 +215,7 @@ fn check_row_bits<P: Interleaved>() {
     }
     let name = <P::Source as WeightBlock>::NAME;
     let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
-    for (rows, blocks, batch) in [(8, 1, 9), (24, 3, 5), (16, 28, 6), (40, 5, 17)] {
+    for (rows, blocks, batch) in [(8, 1, 9), (24, 3, 5), (16, 28, 6), (16, 28, 8), (40, 5, 17)] {
         let cols = blocks * len;
         let seed = (rows * 7 + cols + batch) as u64;
         let (plain, gated, x) = gate_up_case::<P>(rows, cols, batch, seed);
