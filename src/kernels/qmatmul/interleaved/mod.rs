@@ -14,9 +14,9 @@
 //! A batch of `m` rows is taken in tiles of up to [`Interleaved::TILE_ROWS`] activation rows,
 //! each passing over an L2-sized slice of weight groups (see `for_each_slice_tile`). With
 //! AVX-512 VNNI a tile of one row takes the 512-bit kernels of `avx512_row` (and of `q4k` /
-//! `q6k`), a Q4_K tile of four rows takes the assembly passes of `evex`, and with AMX products
-//! of [`Interleaved::AMX_MIN_ROWS`] rows or more take the tiles of `amx_tiles`; every path
-//! gives a row's product the same bits.
+//! `q6k`), Q4_K tiles of four rows and Q6_K tiles of eight take the assembly passes of `evex`,
+//! and with AMX products of [`Interleaved::AMX_MIN_ROWS`] rows or more take the tiles of
+//! `amx_tiles`; every path gives a row's product the same bits.
 //!
 //! Files: one per block format (`block32` for Q4_0, Q4_1, Q5_0 and Q8_0 with the contract their
 //! kernels read in `block32_trait`; `q4k`, `q6k` with their own 512-bit and AMX kernels beside

@@ -203,8 +203,8 @@ fn check_amx<P: Interleaved>() {
 /// A row's product is the same bits with every SIMD instruction set and wherever it sits in a
 /// batch, plain and gated: the integer sums are exact and the float steps the same operations
 /// in the same order, in the 256-bit tiles (whose Q4_K tiles of four rows, in batches of 8
-/// and 17, take the assembly passes with AVX-512 VNNI), the 512-bit one-row kernels and the
-/// AMX tiles alike. So a sequence decodes the same alone or batched, and on any of these paths.
+/// and 17, and Q6_K tiles of eight, in the batch of 8, take the assembly passes with AVX-512
+/// VNNI), the 512-bit one-row kernels and the AMX tiles alike. So a sequence decodes the same alone or batched, and on any of these paths.
 fn check_row_bits<P: Interleaved>() {
     if !Isa::Avx2.is_available() {
         eprintln!("no SIMD path here: nothing to compare");
