@@ -64,9 +64,16 @@ impl<K: QuantKernel> Erased for WithActs<K> {
 const FORMATS: [&str; 6] = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"];
 /// (weight rows, row blocks, activation rows): rows that are not a multiple of 8 take the
 /// row-major kernels, the others the interleaved ones; the batches pass through every tile
-/// height and leave tails.
-const SHAPES: [(usize, usize, usize); 5] =
-    [(7, 2, 1), (33, 3, 5), (16, 2, 1), (24, 3, 5), (8, 1, 17)];
+/// height and leave tails (16 rows: Q6_K's tiles of eight, which take assembly passes with
+/// AVX-512 VNNI, as Q4_K's of four do).
+const SHAPES: [(usize, usize, usize); 6] = [
+    (7, 2, 1),
+    (33, 3, 5),
+    (16, 2, 1),
+    (24, 3, 5),
+    (8, 1, 17),
+    (8, 1, 16),
+];
 
 /// The SIMD instruction sets, in the order of [`emu_isa`]'s numbers.
 const ISAS: [Isa; 3] = [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
