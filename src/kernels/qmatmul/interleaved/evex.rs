@@ -36,8 +36,8 @@ pub(super) unsafe fn q4k_pass4(
     a: [*const i8; 4],
     scales: *const u8,
     m4: __m256i,
-    pf: *const u8,
-    pf_last: *const u8,
+    pf: *const i8,
+    pf_last: *const i8,
     sumi: &mut [__m256i; 4],
 ) {
     // One group of four values: a 32-byte load, its low nibbles times each row's four bytes of
@@ -334,7 +334,7 @@ pub(super) unsafe fn q6k_sub8(
     scales: *const i8,
     x: *const i8,
     stride: usize,
-    pf: *const u8,
+    pf: *const i8,
     sumi: &mut [__m256i; 8],
 ) {
     use std::arch::x86_64::_mm256_set1_epi8;

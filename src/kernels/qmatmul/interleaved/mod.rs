@@ -503,8 +503,15 @@ unsafe fn tile_prefetch_line<P: Interleaved, D: crate::kernels::qmatmul::ByteDot
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch_at<const HINT: i32, P>(block: &P, ahead: usize, line: usize) {
-    let at = (block as *const P as *const i8).wrapping_add(ahead + 64 * line);
-    std::arch::x86_64::_mm_prefetch::<HINT>(at);
+    std::arch::x86_64::_mm_prefetch::<HINT>(line_at(block, ahead, line));
+}
+
+/// The address of 64-byte line `line` counted from `ahead` bytes past `block`, as
+/// [`prefetch_at`] requests it (the assembly passes of `evex` take such addresses).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn line_at<P>(block: &P, ahead: usize, line: usize) -> *const i8 {
+    (block as *const P as *const i8).wrapping_add(ahead + 64 * line)
 }
 
 /// The bytes ahead that a product outside the AMX tiles requests its weights with `isa`: with

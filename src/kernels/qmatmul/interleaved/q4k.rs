@@ -415,7 +415,7 @@ mod zmm {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::{broadcast4, evex, tile_prefetch_line};
+    use super::super::{broadcast4, evex, line_at, tile_prefetch_line};
     use super::{ActBlockK, BlockQ4Kx8, ROWS};
     use crate::kernels::qmatmul::avx2::{add16, dp16, scaled, scales};
     use crate::kernels::qmatmul::ByteDot;
@@ -460,17 +460,12 @@ mod avx2 {
                 // index only has to compile for every `T`.
                 let a: [*const i8; 4] = std::array::from_fn(|r| rows[r % T].qs.as_ptr());
                 let sumi4 = <&mut [__m256i; 4]>::try_from(&mut sumi[..]).expect("four rows");
-                let ahead = (block as *const BlockQ4Kx8 as *const u8)
-                    .wrapping_add(<BlockQ4Kx8 as super::Interleaved>::PREFETCH_AHEAD);
+                let ahead = <BlockQ4Kx8 as super::Interleaved>::PREFETCH_AHEAD;
                 for p in 0..4 {
                     // The lines `prefetch_slot` gives the pass: `qs` lines 4p..4p + 4, then
                     // tail line 16 + p but for the last pass (which requests a line again).
-                    let pf = ahead.wrapping_add(64 * 4 * p);
-                    let last = if p < 3 {
-                        ahead.wrapping_add(64 * (16 + p))
-                    } else {
-                        pf
-                    };
+                    let pf = line_at(block, ahead, 4 * p);
+                    let last = line_at(block, ahead, if p < 3 { 16 + p } else { 4 * p });
                     evex::q4k_pass4(
                         block.qs.as_ptr().add(256 * p),
                         a.map(|x| x.add(64 * p)),

@@ -232,7 +232,7 @@ mod zmm {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::{broadcast4, evex, tile_prefetch_line};
+    use super::super::{broadcast4, evex, line_at, tile_prefetch_line};
     use super::{q_index, ActBlockK, BlockQ6Kx8, ROWS};
     use crate::kernels::qmatmul::avx2::{dp16, scaled, scales};
     use crate::kernels::qmatmul::ByteDot;
@@ -299,8 +299,7 @@ mod avx2 {
                 // sub-block's lines `4 sub..4 sub + 4`.
                 let sumi8 = <&mut [__m256i; 8]>::try_from(&mut sumi[..]).expect("eight rows");
                 let stride = kb * std::mem::size_of::<ActBlockK>();
-                let ahead = (block as *const BlockQ6Kx8 as *const u8)
-                    .wrapping_add(<BlockQ6Kx8 as super::Interleaved>::PREFETCH_AHEAD);
+                let ahead = <BlockQ6Kx8 as super::Interleaved>::PREFETCH_AHEAD;
                 for sub in 0..8 {
                     let (n, k) = (sub / 4, sub % 4);
                     evex::q6k_sub8(
@@ -309,7 +308,7 @@ mod avx2 {
                         block.scales.as_ptr().add(16 * sub),
                         rows[0].qs.as_ptr().add(32 * sub),
                         stride,
-                        ahead.wrapping_add(256 * sub),
+                        line_at(block, ahead, 4 * sub),
                         sumi8,
                     );
                 }
