@@ -46,6 +46,25 @@ pub trait SimpleX8: Copy + Send + Sync + 'static {
         &self,
         acts: &[&ActBlock; T],
     ) -> [std::arch::x86_64::__m256i; T];
+    /// Whether products of many rows take the tall tiles (`interleaved::tall`), which read
+    /// the values unpacked once per slice ([`values_avx2`](Self::values_avx2)). Not the 4-bit
+    /// formats: their nibbles cost two instructions per 64 values, and their tall tiles
+    /// multiplied 3–6 % slower with 16 rows and 1–4 % faster with 64 and 512 (Q4_0 and Q4_1,
+    /// 1536 × 576 and 576 × 576, one thread, alternated in one process; SmolLM2's decode
+    /// batches of 16 slower). Nor the signed Q8_0, whose values need no unpacking.
+    const TALL: bool = false;
+    /// The products AVX2's 16-bit sums of the tall tiles add before widening: eight for the
+    /// 4-bit formats (at most 8 · 2 · 15 · 127 = 30 480), four for Q5_0 (31 496).
+    const SUMS16: usize = 8;
+    /// The block's values for the tall tiles, as `dot_i32` multiplies them: register `g`
+    /// holds values `4g..4g + 4` of the eight rows, unsigned, `OFFSET` above the true values.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `TALL` is true.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn values_avx2(&self) -> [std::arch::x86_64::__m256i; 8] {
+        unreachable!("the format has no tall tiles")
+    }
     /// The AMX weight tile of one block of two groups, `pair[0]`'s eight rows then
     /// `pair[1]`'s: row `g` holds values `4g..4g + 4` of each of the 16 weight rows, as
     /// stored (see `SIGNED` and `OFFSET`).

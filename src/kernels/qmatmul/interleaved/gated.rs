@@ -86,37 +86,38 @@ unsafe impl<P: Interleaved> QuantKernel for GatedPacked<P> {
             P::TILE_ROWS.min(MAX_TILE_ROWS),
             prefetch_ahead_for::<P>(isa),
         );
-        self.pairs.for_each_tile(2, m, rows, ahead, |pairs, r| {
-            let width = pairs.len() * ROWS;
-            let part = r.len() * width;
-            STAGE.with(|cell| {
-                let mut stage = cell.borrow_mut();
-                if stage.len() < 3 * part {
-                    stage.resize(3 * part, 0.0);
-                }
-                // Row `i` of the tile at `i · width` in each: its values for the slice's pairs.
-                let (gate, rest) = stage[..3 * part].split_at_mut(part);
-                let (up, values) = rest.split_at_mut(part);
-                let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
-                let sums = &mut sums[..r.len()];
-                for (k, pair) in pairs.clone().enumerate() {
-                    for (group, dst) in [(2 * pair, &mut *gate), (2 * pair + 1, &mut *up)] {
-                        self.pairs.group_tile(group, acts, r.clone(), sums, isa);
-                        for (i, s) in sums.iter().enumerate() {
-                            dst[i * width + k * ROWS..][..ROWS].copy_from_slice(s);
+        self.pairs
+            .for_each_tile(2, m, rows, ahead, isa, |pairs, r| {
+                let width = pairs.len() * ROWS;
+                let part = r.len() * width;
+                STAGE.with(|cell| {
+                    let mut stage = cell.borrow_mut();
+                    if stage.len() < 3 * part {
+                        stage.resize(3 * part, 0.0);
+                    }
+                    // Row `i` of the tile at `i · width` in each: its values for the slice's pairs.
+                    let (gate, rest) = stage[..3 * part].split_at_mut(part);
+                    let (up, values) = rest.split_at_mut(part);
+                    let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
+                    let sums = &mut sums[..r.len()];
+                    for (k, pair) in pairs.clone().enumerate() {
+                        for (group, dst) in [(2 * pair, &mut *gate), (2 * pair + 1, &mut *up)] {
+                            self.pairs.group_tile(group, acts, r.clone(), sums, isa);
+                            for (i, s) in sums.iter().enumerate() {
+                                dst[i * width + k * ROWS..][..ROWS].copy_from_slice(s);
+                            }
                         }
                     }
-                }
-                for (i, row) in r.clone().enumerate() {
-                    let at = i * width..(i + 1) * width;
-                    let v = &mut values[at.clone()];
-                    crate::kernels::silu_mul(&gate[at.clone()], &up[at], v);
-                    // SAFETY: columns 8·pairs.start..8·pairs.end belong to this task's pairs
-                    // only, and lie inside `out` (m × rows values, as `matmul_quantized`'s
-                    // caller promised).
-                    unsafe { out.write(row * n + pairs.start * ROWS, v) };
-                }
-            })
-        });
+                    for (i, row) in r.clone().enumerate() {
+                        let at = i * width..(i + 1) * width;
+                        let v = &mut values[at.clone()];
+                        crate::kernels::silu_mul(&gate[at.clone()], &up[at], v);
+                        // SAFETY: columns 8·pairs.start..8·pairs.end belong to this task's pairs
+                        // only, and lie inside `out` (m × rows values, as `matmul_quantized`'s
+                        // caller promised).
+                        unsafe { out.write(row * n + pairs.start * ROWS, v) };
+                    }
+                })
+            });
     }
 }

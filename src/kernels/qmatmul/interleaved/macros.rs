@@ -1,23 +1,23 @@
 //! The macros the interleaved formats' kernels are written with: dispatch by tile height,
 //! one SIMD tile per instruction set, unrolled row loops, and the pair-tile entry points.
 
-/// Dispatches a tile of `sums.len()` activation rows to `$kernel::<T>` (or
-/// `$kernel::<G, T>`) for each listed `T`, with the instruction set `$isa`.
+/// Dispatches a tile of `sums.len()` activation rows to `$kernel::<[G,] T>(args.., sums)` for
+/// each listed `T`.
 macro_rules! dispatch_rows {
-    ($kernel:ident, $isa:expr, $w:expr, $acts:expr, $kb:expr, $sums:expr, [$($t:literal),*]) => {
+    ($kernel:ident, $args:tt, $sums:expr, [$($t:literal),*]) => {
         match $sums.len() {
-            $($t => $kernel::<$t>($isa, $w, $acts, $kb, $sums),)*
+            $($t => dispatch_rows!(@call ($kernel::<$t>), $args, $sums),)*
             n => unreachable!("no tile of {n} rows"),
         }
     };
-    (
-        $kernel:ident<$g:ty>, $isa:expr, $w:expr, $acts:expr, $kb:expr, $sums:expr,
-        [$($t:literal),*]
-    ) => {
+    ($kernel:ident<$g:ty>, $args:tt, $sums:expr, [$($t:literal),*]) => {
         match $sums.len() {
-            $($t => $kernel::<$g, $t>($isa, $w, $acts, $kb, $sums),)*
+            $($t => dispatch_rows!(@call ($kernel::<$g, $t>), $args, $sums),)*
             n => unreachable!("no tile of {n} rows"),
         }
+    };
+    (@call ($($f:tt)*), ($($arg:expr),*), $sums:expr) => {
+        $($f)*($($arg,)* $sums)
     };
 }
 

@@ -16,13 +16,17 @@
 //! AVX-512 VNNI a tile of one row takes the 512-bit kernels of `avx512_row` (and of `q4k` /
 //! `q6k`), Q4_K tiles of four rows and Q6_K tiles of eight take the assembly passes of `evex`,
 //! and with AMX products of [`Interleaved::AMX_MIN_ROWS`] rows or more take the tiles of
-//! `amx_tiles`; every path gives a row's product the same bits.
+//! `amx_tiles`. With AVX2, products of Q4_0, Q4_1 or Q5_0 of 8 rows or more take the tall
+//! tiles of `tall`, which read the slice's values unpacked once. Every path gives a row's
+//! product the same bits.
 //!
 //! Files: one per block format (`block32` for Q4_0, Q4_1, Q5_0 and Q8_0 with the contract their
 //! kernels read in `block32_trait`; `q4k`, `q6k` with their own 512-bit and AMX kernels beside
 //! their layouts), one per instruction set's kernels for the 32-value formats (`avx512_row`,
 //! `amx_tiles`, whose helpers the K-quants share), `evex` for the tiles' passes in assembly,
-//! `gated` for the fused SiLU·gate, and `macros` for the macros they are written with.
+//! `gated` for the fused SiLU·gate, `tall` for the AVX2 tiles of tall products that unpack a
+//! slice of weights once for all its row tiles, and `macros` for the macros they are written
+//! with.
 
 use std::ops::Range;
 
@@ -44,6 +48,8 @@ mod evex;
 mod gated;
 mod q4k;
 mod q6k;
+#[cfg(target_arch = "x86_64")]
+mod tall;
 pub use block32::{BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ8_0x8};
 pub use gated::GatedPacked;
 pub use q4k::BlockQ4Kx8;
@@ -167,6 +173,37 @@ pub trait Interleaved: Copy + Send + Sync + 'static {
         let _ = (w, acts, kb, rows, stream, sums);
         unreachable!("the format has no AMX path")
     }
+    /// Bytes of one block's values unpacked for the tall tiles (`interleaved::tall`); 0 where
+    /// the format has none.
+    const TALL_BYTES: usize = 0;
+    /// Unpacks the blocks `w` into `out` ([`TALL_BYTES`](Self::TALL_BYTES) each, in order).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `TALL_BYTES` is not 0, `out` holds `w.len()` blocks' bytes
+    /// and is 32-byte aligned.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn unpack_tall(w: &[Self], out: &mut [u8]) {
+        let _ = (w, out);
+        unreachable!("the format has no tall tiles")
+    }
+    /// As [`tile_simd`](Self::tile_simd), the group's values unpacked in `values` (by
+    /// [`unpack_tall`](Self::unpack_tall)): the same bits.
+    ///
+    /// # Safety
+    /// `isa` is [`Isa::Avx2`] and available; `values` holds `w`'s blocks unpacked, `acts`
+    /// `sums.len() · kb` blocks.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tall_tile(
+        isa: Isa,
+        values: &[u8],
+        w: &[Self],
+        acts: &[Act<Self>],
+        kb: usize,
+        sums: &mut [[f32; ROWS]],
+    ) {
+        let _ = (isa, values, w, acts, kb, sums);
+        unreachable!("the format has no tall tiles")
+    }
 }
 
 /// The activation blocks an interleaved format multiplies.
@@ -193,6 +230,11 @@ pub type PackedQ5_0 = PackedMatrix<BlockQ5_0x8>;
 pub type PackedQ8_0 = PackedMatrix<BlockQ8_0x8>;
 
 impl<P: Interleaved> PackedMatrix<P> {
+    /// Blocks per row.
+    fn kb(&self) -> usize {
+        self.cols / block_len::<P>()
+    }
+
     /// Repacks ggml's bytes; `None` if the byte count does not match the shape or the rows are
     /// not a multiple of 8.
     pub fn from_bytes(rows: usize, cols: usize, bytes: &[u8]) -> Option<Self> {
@@ -284,7 +326,7 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
             P::TILE_ROWS.min(MAX_TILE_ROWS),
             prefetch_ahead_for::<P>(isa),
         );
-        self.for_each_tile(1, m, rows, ahead, |groups, r| {
+        self.for_each_tile(1, m, rows, ahead, isa, |groups, r| {
             let mut sums = [[0f32; ROWS]; MAX_TILE_ROWS];
             let sums = &mut sums[..r.len()];
             for group in groups {
@@ -304,15 +346,21 @@ impl<P: Interleaved> PackedMatrix<P> {
     /// Spreads the groups over the pool in work items of `per_item` consecutive groups (the
     /// last may hold fewer) and calls `f(items, rows)` for every slice of items and tile of at
     /// most `max_rows` of the `m` activation rows (`for_each_slice_tile`), the slice's first
-    /// `ahead` bytes of weights requested as it starts (the distance its tiles prefetch at).
+    /// `ahead` bytes of weights requested as it starts (the distance its tiles prefetch at);
+    /// where the product takes the tall tiles with `isa`, each slice opens the thread's window
+    /// of unpacked groups (`tall::begin_slice`).
     fn for_each_tile(
         &self,
         per_item: usize,
         m: usize,
         max_rows: usize,
         ahead: usize,
+        isa: Isa,
         f: impl Fn(Range<usize>, Range<usize>) + Sync,
     ) {
+        #[cfg(target_arch = "x86_64")]
+        let tall = tall::uses_tall::<P>(isa, m);
+        let _ = isa;
         let kb = self.cols / block_len::<P>();
         let item_blocks = per_item * kb;
         // As few tiles as `max_rows` allows, of heights differing by at most one: five rows
@@ -334,6 +382,12 @@ impl<P: Interleaved> PackedMatrix<P> {
                     let slice = &self.blocks[items.start * item_blocks..end];
                     let bytes = std::mem::size_of_val(slice).min(ahead);
                     crate::kernels::prefetch_lines(slice.as_ptr(), bytes);
+                    #[cfg(target_arch = "x86_64")]
+                    if tall {
+                        let groups = self.rows / ROWS;
+                        let first = (items.start * per_item).min(groups);
+                        tall::begin_slice(self, first..(items.end * per_item).min(groups));
+                    }
                 }
                 f(items, r)
             },
@@ -366,7 +420,7 @@ impl<P: Interleaved> PackedMatrix<P> {
         } else {
             P::PREFETCH_AHEAD
         };
-        self.for_each_tile(2, m, AMX_TILE, ahead, |pairs, r| {
+        self.for_each_tile(2, m, AMX_TILE, ahead, isa, |pairs, r| {
             let mut sums = [[0f32; AMX_TILE]; AMX_TILE];
             // The kernels take the tile's rows unchecked.
             assert!((1..=AMX_TILE).contains(&r.len()) && r.end * kb <= acts.len());
@@ -408,9 +462,18 @@ impl<P: Interleaved> PackedMatrix<P> {
         sums: &mut [[f32; ROWS]],
         isa: Isa,
     ) {
-        let kb = self.cols / block_len::<P>();
+        let kb = self.kb();
         let w = &self.blocks[group * kb..(group + 1) * kb];
-        tile(w, &acts[rows.start * kb..rows.end * kb], kb, sums, isa);
+        let a = &acts[rows.start * kb..rows.end * kb];
+        #[cfg(target_arch = "x86_64")]
+        if tall::uses_tall::<P>(isa, acts.len() / kb) {
+            // SAFETY: the tall tiles take AVX2 alone (`uses_tall`), and `isa` is available;
+            // `values` is the group's `kb` blocks unpacked, `a` the tile's rows.
+            return tall::with_group(self, group, |values| unsafe {
+                P::tall_tile(isa, values, w, a, kb, sums)
+            });
+        }
+        tile(w, a, kb, sums, isa);
     }
 }
 

@@ -99,7 +99,7 @@ impl Interleaved for BlockQ4Kx8 {
         sums: &mut [[f32; ROWS]],
     ) {
         use avx2::tile;
-        dispatch_rows!(tile, isa, w, acts, kb, sums, [4, 3, 2, 1])
+        dispatch_rows!(tile, (isa, w, acts, kb), sums, [4, 3, 2, 1])
     }
 
     const ROW_ZMM: bool = true;

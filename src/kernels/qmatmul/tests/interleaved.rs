@@ -215,7 +215,16 @@ fn check_row_bits<P: Interleaved>() {
     }
     let name = <P::Source as WeightBlock>::NAME;
     let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
-    for (rows, blocks, batch) in [(8, 1, 9), (24, 3, 5), (16, 28, 6), (16, 28, 8), (40, 5, 17)] {
+    // The batches of 17 and 20 take the tall tiles on AVX2 (`interleaved::tall`), the last
+    // over several slices of weights.
+    for (rows, blocks, batch) in [
+        (8, 1, 9),
+        (24, 3, 5),
+        (16, 28, 6),
+        (16, 28, 8),
+        (40, 5, 17),
+        (512, 14, 20),
+    ] {
         let cols = blocks * len;
         let seed = (rows * 7 + cols + batch) as u64;
         let (plain, gated, x) = gate_up_case::<P>(rows, cols, batch, seed);
