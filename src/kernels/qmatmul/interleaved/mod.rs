@@ -16,8 +16,8 @@
 //! AVX-512 VNNI a tile of one row takes the 512-bit kernels of `avx512_row` (and of `q4k` /
 //! `q6k`), Q4_K tiles of four rows and Q6_K tiles of eight take the assembly passes of `evex`,
 //! and with AMX products of [`Interleaved::AMX_MIN_ROWS`] rows or more take the tiles of
-//! `amx_tiles`. With AVX2, products of Q4_0, Q4_1 or Q5_0 of 8 rows or more take the tall
-//! tiles of `tall`, which read the slice's values unpacked once. Every path gives a row's
+//! `amx_tiles`. With AVX2, Q5_0 products of 8 rows or more take the tall tiles of `tall`, which
+//! read the slice's values unpacked once. Every path gives a row's
 //! product the same bits.
 //!
 //! Files: one per block format (`block32` for Q4_0, Q4_1, Q5_0 and Q8_0 with the contract their
@@ -466,12 +466,14 @@ impl<P: Interleaved> PackedMatrix<P> {
         let w = &self.blocks[group * kb..(group + 1) * kb];
         let a = &acts[rows.start * kb..rows.end * kb];
         #[cfg(target_arch = "x86_64")]
-        if tall::uses_tall::<P>(isa, acts.len() / kb) {
+        if tall::uses_tall::<P>(isa, acts.len().checked_div(kb).unwrap_or(0)) {
             // SAFETY: the tall tiles take AVX2 alone (`uses_tall`), and `isa` is available;
             // `values` is the group's `kb` blocks unpacked, `a` the tile's rows.
-            return tall::with_group(self, group, |values| unsafe {
-                P::tall_tile(isa, values, w, a, kb, sums)
-            });
+            return unsafe {
+                tall::with_group(self, group, |values| {
+                    P::tall_tile(isa, values, w, a, kb, sums)
+                })
+            };
         }
         tile(w, a, kb, sums, isa);
     }

@@ -1,9 +1,10 @@
-//! Tall products (a prefill's, many activation rows) on AVX2: each thread unpacks the slice of
-//! weight groups its row tiles pass over to plain bytes once, as the first tile reaches each
-//! group, and every later tile of the slice multiplies those bytes without unpacking them
-//! again. The 256-bit tiles unpack a block for each tile of four rows, which for Q5_0 is about
-//! a quarter of a tile's instructions (the formats that take them: `SimpleX8::TALL`). The integer sums are exact either way and the float step
-//! is the tile's, so a row's product has the same bits on this path as on the others.
+//! Tall products (a prefill's, an extend's, a decode batch of 8 or more rows) on AVX2: each
+//! thread unpacks the slice of weight groups its row tiles pass over to plain bytes once, as the
+//! first tile reaches each group, and every later tile of the slice multiplies those bytes
+//! without unpacking them again. The 256-bit tiles unpack a block for each tile of four rows,
+//! which for Q5_0 is about a quarter of a tile's instructions (the formats that take them:
+//! `SimpleX8::TALL`). The integer sums are exact either way and the float step is the tile's, so
+//! a row's product has the same bits on this path as on the others.
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -84,7 +85,11 @@ pub(super) fn begin_slice<P: Interleaved>(matrix: &PackedMatrix<P>, groups: Rang
 /// `f(values)` with group `group`'s values unpacked (`kb` blocks of
 /// [`Interleaved::TALL_BYTES`]), from the calling thread's window, unpacking them first if
 /// the window does not hold them yet (a group outside the window opens a window of its own).
-pub(super) fn with_group<P: Interleaved, R>(
+///
+/// # Safety
+/// [`uses_tall`] holds for the product's instruction set, which is available (the unpacking
+/// runs AVX2).
+pub(super) unsafe fn with_group<P: Interleaved, R>(
     matrix: &PackedMatrix<P>,
     group: usize,
     f: impl FnOnce(&[u8]) -> R,
@@ -104,8 +109,8 @@ pub(super) fn with_group<P: Interleaved, R>(
             unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut u8, bytes) };
         if !window.filled[i] {
             let w = &matrix.blocks[group * kb..(group + 1) * kb];
-            // SAFETY: the tall tiles run with AVX2 only (`uses_tall`), which the caller's
-            // instruction set includes; `values` holds `kb` blocks' bytes, 32-byte aligned.
+            // SAFETY: AVX2 is available (as the caller promised); `values` holds `kb` blocks'
+            // bytes, 32-byte aligned.
             unsafe { P::unpack_tall(w, values) };
             window.filled[i] = true;
         }
@@ -170,6 +175,7 @@ pub(super) mod simple {
         kb: usize,
         sums: &mut [[f32; ROWS]],
     ) {
+        const { assert!(8 % S::SUMS16 == 0, "the 16-bit sums must divide a block") };
         assert!(values.len() >= 256 * kb && values.as_ptr().align_offset(32) == 0);
         debug_assert!(w.len() == kb && acts.len() == T * kb && sums.len() == T);
         let mut acc = [_mm256_setzero_ps(); T];

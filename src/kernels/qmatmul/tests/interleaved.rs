@@ -215,8 +215,8 @@ fn check_row_bits<P: Interleaved>() {
     }
     let name = <P::Source as WeightBlock>::NAME;
     let len = <<P::Source as WeightBlock>::Act as ActFormat>::LEN;
-    // The batches of 17 and 20 take the tall tiles on AVX2 (`interleaved::tall`), the last
-    // over several slices of weights.
+    // With AVX2, Q5_0's batches of 8 rows and more take the tall tiles (`interleaved::tall`),
+    // the batch of 20 over several slices of weights.
     for (rows, blocks, batch) in [
         (8, 1, 9),
         (24, 3, 5),
