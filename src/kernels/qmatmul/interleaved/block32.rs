@@ -359,7 +359,8 @@ impl SimpleX8 for BlockQ5_0x8 {
     /// Q5_0's fifth bits cost nine instructions per 64 values to unpack, about a quarter of
     /// a 256-bit tile's: its tall tiles multiplied 1.5–1.6 times as fast with 16, 64 and 512
     /// rows (4864 × 896 and 896 × 896, one thread, alternated in one process), and the 0.5B
-    /// (gate, up, q/k/v and o in Q5_0) prefilled 512 tokens 1.39–1.41 times as fast (two alternated rounds).
+    /// (gate, up, q/k/v and o in Q5_0) prefilled 512 tokens 1.39–1.41 times as fast (two
+    /// alternated rounds).
     const TALL: bool = true;
     const SUMS16: usize = 4;
 

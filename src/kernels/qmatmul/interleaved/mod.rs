@@ -17,8 +17,7 @@
 //! `q6k`), Q4_K tiles of four rows and Q6_K tiles of eight take the assembly passes of `evex`,
 //! and with AMX products of [`Interleaved::AMX_MIN_ROWS`] rows or more take the tiles of
 //! `amx_tiles`. With AVX2, Q5_0 products of 8 rows or more take the tall tiles of `tall`, which
-//! read the slice's values unpacked once. Every path gives a row's
-//! product the same bits.
+//! read the slice's values unpacked once. Every path gives a row's product the same bits.
 //!
 //! Files: one per block format (`block32` for Q4_0, Q4_1, Q5_0 and Q8_0 with the contract their
 //! kernels read in `block32_trait`; `q4k`, `q6k` with their own 512-bit and AMX kernels beside
@@ -300,7 +299,7 @@ unsafe impl<P: Interleaved> QuantKernel for PackedMatrix<P> {
     fn dequantize_row(&self, row: usize, out: &mut [f32]) -> bool {
         assert!(row < self.rows, "row {row} of {}", self.rows);
         assert_eq!(out.len(), self.cols, "a row holds {} values", self.cols);
-        let kb = self.cols / block_len::<P>();
+        let kb = self.kb();
         let group = &self.blocks[row / ROWS * kb..(row / ROWS + 1) * kb];
         for (block, values) in group.iter().zip(out.chunks_exact_mut(block_len::<P>())) {
             block.dequantize(row % ROWS, values);
@@ -361,7 +360,7 @@ impl<P: Interleaved> PackedMatrix<P> {
         #[cfg(target_arch = "x86_64")]
         let tall = tall::uses_tall::<P>(isa, m);
         let _ = isa;
-        let kb = self.cols / block_len::<P>();
+        let kb = self.kb();
         let item_blocks = per_item * kb;
         // As few tiles as `max_rows` allows, of heights differing by at most one: five rows
         // take tiles of 3 and 2 rather than 4 and a lone row.
@@ -409,7 +408,7 @@ impl<P: Interleaved> PackedMatrix<P> {
         isa: Isa,
         f: impl Fn(usize, Range<usize>, &[[f32; AMX_TILE]]) + Sync,
     ) {
-        let kb = self.cols / block_len::<P>();
+        let kb = self.kb();
         let groups = self.rows / ROWS;
         let group = |g: usize| &self.blocks[g * kb..(g + 1) * kb];
         // A decode batch (one tile of rows) reads each weight once, from memory: its tiles
