@@ -1,30 +1,40 @@
 //! Paged causal attention for a mixed batch (prefill chunks, extends and single-token decodes in
 //! one call), reading K/V in place from the block pool.
 //!
-//! Cache layout per layer: `[block][kv_head][slot][head_dim]`, so one KV head's rows of one block
-//! are contiguous. Token `i` of a sequence whose new tokens start at position `p` attends to
-//! cache positions `0..=p + i`. A work item scores its whole span first and subtracts each
-//! head's maximum before the exponential, so the softmax is numerically stable for any context
-//! length, and the query heads of one GQA group share every K/V row read. Work is split over
-//! (token, KV head) pairs, and
-//! when there are too few of them to keep every thread busy (a decode step of a model with two
-//! or three KV heads) also over chunks of each pair's context, whose softmax states (maximum,
-//! sum, unnormalised output) are merged afterwards.
+//! Cache layout per layer: V `[block][kv_head][slot][head_dim]`, K
+//! `[block][kv_head][head_dim][slot]`. One KV head's part of a block is contiguous in both; a
+//! vector loads eight columns of a V row, or one K column at eight positions (for eight scores
+//! at once). Token `i` of a sequence whose new tokens start at position `p` attends to cache
+//! positions `0..=p + i`. A work item scores its whole span first and subtracts each row's
+//! maximum before the exponential, so the softmax is numerically stable for any context
+//! length. Its query rows are the heads of one GQA group for a tile of consecutive tokens of
+//! one sequence: every K and V vector read serves all of them, so a long prompt reads its K/V
+//! once per tile rather than once per token. A row's result does not depend on the tile it was
+//! computed in (each score and each output column is one chain of multiply-adds in a fixed
+//! order), so a prompt's rows equal, bit for bit, those of its tokens decoded one at a time.
+//! Work is split over (tile, KV head) pairs, and when there are too few of them to keep every
+//! thread busy (a decode step of a model with two or three KV heads) also over chunks of each
+//! pair's context, whose softmax states (maximum, sum, unnormalised output) are merged
+//! afterwards.
 
 use std::cell::RefCell;
 
 use super::parallel::{current_threads, for_each_range, DisjointOut};
-use super::{axpy, dot, exp_portable, prefetch_lines, KvElem};
+use super::{axpy, exp_portable, max_value, prefetch_lines, KvElem};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
-/// Largest supported block size: scores of one block live on the stack.
+/// Largest supported block size.
 pub const MAX_BLOCK_SIZE: usize = 256;
 /// Fewest cache positions a context chunk covers when contexts are split.
 const MIN_CHUNK_POSITIONS: usize = 64;
+/// Query rows a tile aims for: enough that a K or V vector loaded feeds many multiply-adds,
+/// few enough that the tile's scores over a long context stay in L2.
+const TILE_ROWS: usize = 24;
 
-/// One layer's paged K and V storage, in `f32` or `f16` ([`KvElem`]).
+/// One layer's paged K and V storage, in `f32` or `f16` ([`KvElem`]), laid out as the module
+/// says.
 pub struct PagedKv<'a, T: KvElem = f32> {
     pub k: &'a [T],
     pub v: &'a [T],
@@ -34,7 +44,7 @@ pub struct PagedKv<'a, T: KvElem = f32> {
 }
 
 impl<T: KvElem> PagedKv<'_, T> {
-    /// Offset of the first row of `(block, kv_head)`.
+    /// Offset of `(block, kv_head)`'s part of K (and of V).
     #[inline]
     pub fn block_offset(&self, block: u32, kv_head: usize) -> usize {
         ((block as usize * self.num_kv_heads + kv_head) * self.block_size) * self.head_dim
@@ -75,21 +85,27 @@ pub fn paged_attention<T: KvElem>(
         .collect();
     assert_eq!(q.len(), token_ctx.len() * num_heads * hd);
 
+    // A (token, KV head) pair's query heads, contiguous in `q` and `out`.
     let pairs = token_ctx.len() * kv.num_kv_heads;
     let width = group * hd;
+    let q_of = |pair: usize| &q[pair * width..(pair + 1) * width];
     let out = DisjointOut::new(out);
     let Some(chunk) = chunk_blocks(&token_ctx, pairs, kv.block_size) else {
-        // One work item per (token, KV head): the `group` query heads that share that KV
-        // head, which are contiguous in `q` and `out`.
-        for_each_range(pairs, |items| {
+        // One work item per (tile, KV head).
+        let tiles = tiles(seqs, tile_tokens(group, pairs));
+        for_each_range(tiles.len() * kv.num_kv_heads, |items| {
             for item in items {
-                let (s, ctx) = token_ctx[item / kv.num_kv_heads];
+                let (first, n) = tiles[item / kv.num_kv_heads];
                 let kv_head = item % kv.num_kv_heads;
-                // SAFETY: item `item` owns exactly these `width` output elements.
-                let out_g = unsafe { out.slice(item * width, width) };
-                let q_g = &q[item * width..(item + 1) * width];
-                let mut state = SoftmaxState::new(group);
-                out_g.fill(0.0);
+                let item_pairs = (first..first + n).map(|t| t * kv.num_kv_heads + kv_head);
+                let q_t: Vec<&[f32]> = item_pairs.clone().map(q_of).collect();
+                // SAFETY: item `item` owns exactly its pairs' `width` output elements.
+                let mut out_t: Vec<&mut [f32]> = item_pairs
+                    .map(|pair| unsafe { out.slice(pair * width, width) })
+                    .collect();
+                out_t.iter_mut().for_each(|o| o.fill(0.0));
+                let (s, ctx) = token_ctx[first];
+                let mut state = SoftmaxState::new(n * group);
                 let span = Span {
                     blocks: seqs[s].blocks,
                     first_pos: 0,
@@ -97,8 +113,8 @@ pub fn paged_attention<T: KvElem>(
                     ctx,
                     scale,
                 };
-                attend_blocks(q_g, out_g, kv, span, &mut state);
-                state.normalise(out_g, hd);
+                attend_blocks(&q_t, &mut out_t, kv, span, &mut state);
+                state.normalise(&mut out_t, hd);
             }
         });
         return;
@@ -126,7 +142,6 @@ pub fn paged_attention<T: KvElem>(
             let part = unsafe { parts.slice(i * stride, stride) };
             let (acc, max_sum) = part.split_at_mut(width);
             let mut state = SoftmaxState::new(group);
-            let q_g = &q[pair * width..(pair + 1) * width];
             let span = Span {
                 blocks,
                 first_pos: first * kv.block_size,
@@ -134,7 +149,7 @@ pub fn paged_attention<T: KvElem>(
                 ctx,
                 scale,
             };
-            attend_blocks(q_g, acc, kv, span, &mut state);
+            attend_blocks(&[q_of(pair)], &mut [acc], kv, span, &mut state);
             max_sum[..group].copy_from_slice(&state.max);
             max_sum[group..].copy_from_slice(&state.sum);
         }
@@ -188,31 +203,55 @@ fn chunk_blocks(token_ctx: &[(usize, usize)], pairs: usize, block_size: usize) -
     (blocks * block_size < longest).then_some(blocks)
 }
 
-/// The running maximum and sum of the online softmax of each query head of a group.
+/// Tokens per tile: enough for about [`TILE_ROWS`] query rows, fewer where the tiles would not
+/// give every thread several work items.
+fn tile_tokens(group: usize, pairs: usize) -> usize {
+    let spread = pairs / (4 * current_threads());
+    TILE_ROWS.div_ceil(group).min(spread).max(1)
+}
+
+/// (first token, tokens) of each tile: every sequence's new tokens cut into runs of `tokens`
+/// (its last run shorter).
+fn tiles(seqs: &[AttentionSeq], tokens: usize) -> Vec<(usize, usize)> {
+    let mut first = 0;
+    let mut tiles = Vec::new();
+    for seq in seqs {
+        for start in (0..seq.num_tokens).step_by(tokens) {
+            tiles.push((first + start, tokens.min(seq.num_tokens - start)));
+        }
+        first += seq.num_tokens;
+    }
+    tiles
+}
+
+/// The running maximum and sum of the online softmax of each query row of a work item.
 struct SoftmaxState {
     max: Vec<f32>,
     sum: Vec<f32>,
 }
 
 impl SoftmaxState {
-    fn new(group: usize) -> Self {
+    fn new(rows: usize) -> Self {
         Self {
-            max: vec![f32::NEG_INFINITY; group],
-            sum: vec![0f32; group],
+            max: vec![f32::NEG_INFINITY; rows],
+            sum: vec![0f32; rows],
         }
     }
 
-    /// Divides each head's accumulated output by its sum.
-    fn normalise(&self, out: &mut [f32], hd: usize) {
-        for (h, sum) in self.sum.iter().enumerate() {
+    /// Divides each row's accumulated output (`out`'s slices cut into rows of `hd`, in order)
+    /// by its sum.
+    fn normalise(&self, out: &mut [&mut [f32]], hd: usize) {
+        let rows = out.iter_mut().flat_map(|o| o.chunks_exact_mut(hd));
+        for (row, sum) in rows.zip(&self.sum) {
             let inv = 1.0 / sum;
-            out[h * hd..(h + 1) * hd].iter_mut().for_each(|a| *a *= inv);
+            row.iter_mut().for_each(|a| *a *= inv);
         }
     }
 }
 
 /// The cache positions one work item attends to: `blocks` (the first holding position
-/// `first_pos`) of KV head `kv_head`, up to position `ctx`; scores scaled by `scale`.
+/// `first_pos`) of KV head `kv_head`, up to position `ctx` for the item's first token (and
+/// `ctx + t` for its token `t`); scores scaled by `scale`.
 #[derive(Clone, Copy)]
 struct Span<'a> {
     blocks: &'a [u32],
@@ -222,18 +261,22 @@ struct Span<'a> {
     scale: f32,
 }
 
-/// Attention of the query heads of `q` (one GQA group) over `span`: adds the unnormalised
-/// weighted values to `out` and updates `state`. With AVX2, FMA and F16C where the CPU has
-/// them and the head size is a multiple of 8; portable otherwise.
+/// Attention of a work item's query rows over `span`: `q[t]` and `out[t]` hold token `t`'s
+/// rows (one GQA group, `head_dim` values a head). Adds the unnormalised weighted values to
+/// `out` and updates `state` (a row each). With AVX2, FMA and F16C where the CPU has them and
+/// the head and block sizes are multiples of 8; portable otherwise.
 fn attend_blocks<T: KvElem>(
-    q: &[f32],
-    out: &mut [f32],
+    q: &[&[f32]],
+    out: &mut [&mut [f32]],
     kv: &PagedKv<T>,
     span: Span,
     state: &mut SoftmaxState,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if kv.head_dim.is_multiple_of(8) && super::qmatmul::Isa::best() != super::qmatmul::Isa::Scalar {
+    if kv.head_dim.is_multiple_of(8)
+        && kv.block_size.is_multiple_of(8)
+        && super::qmatmul::Isa::best() != super::qmatmul::Isa::Scalar
+    {
         // SAFETY: every SIMD `Isa` includes AVX2, FMA and F16C.
         return unsafe { attend_blocks_avx2(q, out, kv, span, state) };
     }
@@ -242,27 +285,32 @@ fn attend_blocks<T: KvElem>(
 
 /// [`attend_blocks`] without SIMD intrinsics.
 fn attend_blocks_portable<T: KvElem>(
-    q: &[f32],
-    out: &mut [f32],
+    q: &[&[f32]],
+    out: &mut [&mut [f32]],
     kv: &PagedKv<T>,
     span: Span,
     state: &mut SoftmaxState,
 ) {
     let hd = kv.head_dim;
     let ops = BlockOps {
-        scores: |q: &[f32], k: &[T], scale: f32, out: &mut [f32], stride: usize| {
-            let mut max = [f32::NEG_INFINITY; 2];
-            for (h, q) in q.chunks_exact(hd).enumerate() {
-                for (i, k) in k.chunks_exact(hd).enumerate() {
-                    out[h * stride + i] = dot(q, k) * scale;
-                    max[h] = max[h].max(out[h * stride + i]);
+        scores: |q: &[&[f32]], k: &[&[T]], n: usize, scale: f32, out: &mut [f32], stride| {
+            let bs = kv.block_size;
+            for (b, block) in k.iter().enumerate().take(n.div_ceil(bs)) {
+                let count = (n - b * bs).min(bs);
+                for (r, q) in q.iter().enumerate() {
+                    let s = &mut out[r * stride + b * bs..][..count];
+                    s.fill(0.0);
+                    for (&x, column) in q.iter().zip(block.chunks_exact(bs)) {
+                        axpy(s, x, &column[..count]);
+                    }
+                    s.iter_mut().for_each(|s| *s *= scale);
                 }
             }
-            max
         },
-        values: |acc: &mut [f32], w: &[f32], stride: usize, v: &[T]| {
-            for (h, acc) in acc.chunks_exact_mut(hd).enumerate() {
-                for (&w, v) in w[h * stride..].iter().zip(v.chunks_exact(hd)) {
+        values: |acc: &mut [&mut [f32]], w: &[f32], stride: usize, v: &[&[T]]| {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let rows = v.iter().flat_map(|b| b.chunks_exact(hd));
+                for (&w, v) in w[r * stride..].iter().zip(rows) {
                     axpy(acc, w, v);
                 }
             }
@@ -272,56 +320,45 @@ fn attend_blocks_portable<T: KvElem>(
     attend_blocks_with(ops, q, out, kv, span, state)
 }
 
-/// [`attend_blocks`] compiled for AVX2, FMA and F16C, for head sizes a multiple of 8. Query
-/// heads go two at a time, so every K or V vector loaded (and converted from f16) serves both:
-/// four rows' scores for the two heads come from eight accumulators reduced together, and the
-/// two heads' outputs stay in registers 32 columns at a time across a block's rows. An odd
-/// last head goes alone (eight rows' scores at once, 64 output columns in registers).
+/// [`attend_blocks`] compiled for AVX2, FMA and F16C, for head and block sizes a multiple of
+/// 8: register tiles of several rows' scores over eight positions of K's columns a vector, and
+/// of their outputs across V's rows (see [`avx2`]).
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `kv.head_dim` must be a multiple of 8.
+/// The CPU must support AVX2, FMA and F16C; `kv.head_dim` and `kv.block_size` must be
+/// multiples of 8.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_blocks_avx2<T: KvElem>(
-    q: &[f32],
-    out: &mut [f32],
+    q: &[&[f32]],
+    out: &mut [&mut [f32]],
     kv: &PagedKv<T>,
     span: Span,
     state: &mut SoftmaxState,
 ) {
     // SAFETY (of the calls): this function only runs where AVX2, FMA and F16C are available,
     // with rows of a multiple of 8 elements.
-    let hd = kv.head_dim;
     let ops = BlockOps {
-        scores: |q: &[f32], k: &[T], scale: f32, out: &mut [f32], stride: usize| unsafe {
-            if q.len() == hd {
-                [avx2::scores(q, k, scale, &mut out[..k.len() / hd]), 0.0]
-            } else {
-                avx2::scores_pair(q, k, scale, out, stride)
-            }
+        scores: |q: &[&[f32]], k: &[&[T]], n: usize, scale: f32, out: &mut [f32], stride| unsafe {
+            avx2::scores(q, k, n, scale, out, stride)
         },
-        values: |acc: &mut [f32], w: &[f32], stride: usize, v: &[T]| unsafe {
-            if acc.len() == hd {
-                avx2::weighted_sum(acc, &w[..v.len() / hd], v)
-            } else {
-                avx2::weighted_sum_pair(acc, w, stride, v)
-            }
+        values: |acc: &mut [&mut [f32]], w: &[f32], stride: usize, v: &[&[T]]| unsafe {
+            avx2::weighted_sums(acc, w, stride, v)
         },
         exp: |xs: &mut [f32]| unsafe { super::avx2::exp(xs) },
     };
     attend_blocks_with(ops, q, out, kv, span, state)
 }
 
-/// The vector work of one or two query heads over one block's rows, passed into
-/// [`attend_blocks_with`] so each instruction set's entry point inlines its own and dispatches
-/// once per work item.
+/// The vector work of a work item's query rows over the rows of a few consecutive blocks of
+/// a span (every block but the last full), passed into [`attend_blocks_with`] so each
+/// instruction set's entry point inlines its own and dispatches once per work item.
 struct BlockOps<S, V, E> {
-    /// For the one or two query heads in `q` (`hd` values each) and every row `i` of `k`,
-    /// `out[h · stride + i] = scale · (q[h] · k[i])`; returns each head's largest (the second
-    /// unused for one head).
+    /// For every query row `q[r]` and each of the first `n` positions `i` of `k`'s blocks in
+    /// turn (each a block's whole part of K), `out[r · stride + i] = scale · (q[r] · k_i)`.
     scores: S,
-    /// For the one or two heads in `acc` (`hd` values each), `acc[h] += Σ w[h · stride + i] ·
-    /// v[i]` over the rows `i` of `v`.
+    /// For every output row `acc[r]`, `acc[r] += Σ w[r · stride + i] · v_i` over the rows
+    /// `v_i` of `v`'s blocks in turn.
     values: V,
     /// `xs[i] = exp(xs[i])`; returns their sum.
     exp: E,
@@ -331,24 +368,28 @@ struct BlockOps<S, V, E> {
 /// anywhere in the pool, a few KB each, too short for the hardware prefetcher. (A decode
 /// step's K/V is cold: the weights streamed through the caches since the last step.)
 const PREFETCH_BLOCKS: usize = 2;
+/// Cache positions a call of the block ops covers at least: every call reloads the weighted
+/// sums' outputs into registers.
+const CALL_POSITIONS: usize = 32;
 
 /// The body of [`attend_blocks`], in two passes over the span: every position's score for
-/// every query head of the group, two heads at a time (a block's K rows stay in L1 across the
-/// pairs), each head's softmax over all of its scores at once, then the weighted sum of the V
-/// rows (a block's rows again serving every pair). Keeping the span's scores (4 bytes per
-/// position and head, in a per-thread buffer) saves an online softmax's per-block work: a
-/// maximum, a scalar `exp` and a rescaling of the output for every block and head.
+/// every query row (a block's K read once for all of them), each row's softmax over all of
+/// its scores at once, then the weighted sum of the V rows (a block's rows again serving every
+/// row). Keeping the span's scores (4 bytes per position and row, in a per-thread buffer)
+/// saves an online softmax's per-block work: a maximum, a scalar `exp` and a rescaling of the
+/// output for every block and row. A row past its own context (an earlier token of the tile)
+/// gets weight 0 for the positions after it, which leaves its sums as they were.
 #[inline(always)]
 fn attend_blocks_with<T: KvElem, S, V, E>(
     ops: BlockOps<S, V, E>,
-    q: &[f32],
-    out: &mut [f32],
+    q: &[&[f32]],
+    out: &mut [&mut [f32]],
     kv: &PagedKv<T>,
     span: Span,
     state: &mut SoftmaxState,
 ) where
-    S: Fn(&[f32], &[T], f32, &mut [f32], usize) -> [f32; 2],
-    V: Fn(&mut [f32], &[f32], usize, &[T]),
+    S: Fn(&[&[f32]], &[&[T]], usize, f32, &mut [f32], usize),
+    V: Fn(&mut [&mut [f32]], &[f32], usize, &[&[T]]),
     E: Fn(&mut [f32]) -> f32,
 {
     thread_local! {
@@ -357,7 +398,6 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
     }
     let hd = kv.head_dim;
     let bs = kv.block_size;
-    let group = q.len() / hd;
     let Span {
         blocks,
         first_pos,
@@ -365,69 +405,89 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
         ctx,
         scale,
     } = span;
-    let n_blocks = blocks.len().min(ctx.saturating_sub(first_pos).div_ceil(bs));
+    let q_rows: Vec<&[f32]> = q.iter().flat_map(|t| t.chunks_exact(hd)).collect();
+    let mut out_rows: Vec<&mut [f32]> = out
+        .iter_mut()
+        .flat_map(|t| t.chunks_exact_mut(hd))
+        .collect();
+    let rows = q_rows.len();
+    if rows == 0 {
+        return;
+    }
+    let group = rows / q.len();
+    let last_ctx = ctx + q.len() - 1;
+    let n_blocks = blocks
+        .len()
+        .min(last_ctx.saturating_sub(first_pos).div_ceil(bs));
     if n_blocks == 0 {
         return;
     }
-    let positions = (ctx - first_pos).min(n_blocks * bs);
-    // Where block `bi`'s rows lie in the layer's K (and V).
-    let rows = |bi: usize| {
+    let positions = (last_ctx - first_pos).min(n_blocks * bs);
+    // Where block `bi`'s part of K lies in the layer (and of V: its first rows).
+    let block_part = |bi: usize| {
         let base = kv.block_offset(blocks[bi], kv_head);
-        base..base + bs.min(positions - bi * bs) * hd
+        base..base + bs * hd
+    };
+    let block_rows = |bi: usize| {
+        let part = block_part(bi);
+        part.start..part.start + bs.min(positions - bi * bs) * hd
     };
     let prefetch = |cache: &[T], bi: usize| {
         if bi < n_blocks {
-            let rows = &cache[rows(bi)];
-            prefetch_lines(rows.as_ptr(), std::mem::size_of_val(rows));
+            let part = &cache[block_part(bi)];
+            prefetch_lines(part.as_ptr(), std::mem::size_of_val(part));
         }
     };
-    // The group's heads, two at a time (an odd last one alone).
-    let head_pairs = || (0..group).step_by(2).map(move |h| h..(h + 2).min(group));
+    // Each block's rows in K and in V; a call of the block ops covers `per_call` blocks.
+    let k_blocks: Vec<&[T]> = (0..n_blocks).map(|bi| &kv.k[block_part(bi)]).collect();
+    let v_blocks: Vec<&[T]> = (0..n_blocks).map(|bi| &kv.v[block_rows(bi)]).collect();
+    let per_call = CALL_POSITIONS.div_ceil(bs);
+    let calls = || {
+        (0..n_blocks)
+            .step_by(per_call)
+            .map(move |first| first..n_blocks.min(first + per_call))
+    };
     SCORES.with(|cell| {
         let mut buf = cell.borrow_mut();
-        if buf.len() < (positions + 1) * group {
-            buf.resize((positions + 1) * group, 0.0);
+        if buf.len() < rows * positions {
+            buf.resize(rows * positions, 0.0);
         }
-        // Each head's largest score, then head `h`'s scores at `scores[h * positions..]`.
-        let (maxima, scores) = buf[..(positions + 1) * group].split_at_mut(group);
-        maxima.copy_from_slice(&state.max);
+        // Row `r`'s scores at `scores[r * positions..]`.
+        let scores = &mut buf[..rows * positions];
         (0..PREFETCH_BLOCKS).for_each(|bi| prefetch(kv.k, bi));
-        for bi in 0..n_blocks {
-            prefetch(kv.k, bi + PREFETCH_BLOCKS);
-            let k_rows = &kv.k[rows(bi)];
-            for heads in head_pairs() {
-                let s = &mut scores[heads.start * positions + bi * bs..];
-                let q = &q[heads.start * hd..heads.end * hd];
-                let top = (ops.scores)(q, k_rows, scale, s, positions);
-                for (max, top) in maxima[heads].iter_mut().zip(top) {
-                    *max = max.max(top);
-                }
-            }
+        for call in calls() {
+            call.clone()
+                .for_each(|bi| prefetch(kv.k, bi + PREFETCH_BLOCKS));
+            let n = positions.min(call.end * bs) - call.start * bs;
+            let out = &mut scores[call.start * bs..];
+            (ops.scores)(&q_rows, &k_blocks[call], n, scale, out, positions);
         }
         // The first V rows come in while the softmax runs.
         (0..PREFETCH_BLOCKS).for_each(|bi| prefetch(kv.v, bi));
-        for (h, &max) in maxima.iter().enumerate() {
+        for (r, s) in scores.chunks_exact_mut(positions).enumerate() {
+            // The positions row `r` (token `r / group`) attends to.
+            let len = (ctx + r / group).saturating_sub(first_pos).min(positions);
+            let (s, past) = s.split_at_mut(len);
+            past.fill(0.0);
+            if len == 0 {
+                continue;
+            }
+            let max = max_value(s).max(state.max[r]);
             // A state carried in from an earlier span is rescaled to the new maximum.
-            let correction = (state.max[h] - max).exp();
+            let correction = (state.max[r] - max).exp();
             if correction != 1.0 {
-                out[h * hd..(h + 1) * hd]
-                    .iter_mut()
-                    .for_each(|a| *a *= correction);
-                state.sum[h] *= correction;
+                out_rows[r].iter_mut().for_each(|a| *a *= correction);
+                state.sum[r] *= correction;
             }
-            let s = &mut scores[h * positions..(h + 1) * positions];
             s.iter_mut().for_each(|s| *s -= max);
-            state.sum[h] += (ops.exp)(s);
-            state.max[h] = max;
+            state.sum[r] += (ops.exp)(s);
+            state.max[r] = max;
         }
-        for bi in 0..n_blocks {
-            prefetch(kv.v, bi + PREFETCH_BLOCKS);
-            let v_rows = &kv.v[rows(bi)];
-            for heads in head_pairs() {
-                let w = &scores[heads.start * positions + bi * bs..];
-                let acc = &mut out[heads.start * hd..heads.end * hd];
-                (ops.values)(acc, w, positions, v_rows);
-            }
+        for call in calls() {
+            call.clone()
+                .for_each(|bi| prefetch(kv.v, bi + PREFETCH_BLOCKS));
+            let w = &scores[call.start * bs..];
+            (ops.values)(&mut out_rows, w, positions, &v_blocks[call]);
         }
     });
 }

@@ -3,7 +3,8 @@
 //! The cache is owned by the caller of the forward pass (a model actor), never by the model.
 //! It is storage only: which blocks a sequence holds is the block allocator's business
 //! (`scheduler::BlockPool`), and a forward pass is told each sequence's block ids in order.
-//! Layout of one layer: `[block][kv_head][slot][head_dim]` (see `kernels::attention`), in `f16`
+//! Layout of one layer: V `[block][kv_head][slot][head_dim]`, K `[block][kv_head][head_dim][slot]`
+//! (see `kernels::attention`), in `f16`
 //! by default (half the memory and half the bytes attention reads) or `f32` ([`KvDtype`]).
 
 use half::f16;
@@ -225,7 +226,8 @@ impl HostKv {
     }
 
     /// Requests into the caches the lines that [`write`](Self::write) will store the new
-    /// tokens' K/V rows of layer `layer` to (those of the first `PREFETCH_SLOT_ROWS` rows).
+    /// tokens' K/V rows of layer `layer` to (those of the first `PREFETCH_SLOT_ROWS` rows; a K
+    /// row is spread over its block's K, so all of that).
     /// A decode step's slots are cold, the weights having streamed through the caches since
     /// the last write, and each store to a missing line would wait for it in turn (about
     /// 2 µs a layer for SmolLM2's twelve lines); requested before the q/k/v projection, the
@@ -233,10 +235,12 @@ impl HostKv {
     pub fn prefetch_slots(&self, layer: usize, seqs: &[AttentionSeq]) {
         fn request<T: KvElem>(store: &LayerStore<T>, shape: Shape, seqs: &[AttentionSeq]) {
             let hd = shape.0;
-            for dst in slot_offsets(shape, seqs).take(PREFETCH_SLOT_ROWS) {
-                for cache in [&store.k, &store.v] {
-                    let row = &cache[dst..dst + hd];
-                    crate::kernels::prefetch_lines(row.as_ptr(), std::mem::size_of_val(row));
+            let bs = shape.2;
+            for (region, slot) in slots(shape, seqs).take(PREFETCH_SLOT_ROWS) {
+                let k = &store.k[region..region + hd * bs];
+                let v = &store.v[region + slot * hd..][..hd];
+                for lines in [k, v] {
+                    crate::kernels::prefetch_lines(lines.as_ptr(), std::mem::size_of_val(lines));
                 }
             }
         }
@@ -259,16 +263,17 @@ const PREFETCH_SLOT_ROWS: usize = 256;
 /// `(head_dim, kv_heads, block_size)` of a cache.
 type Shape = (usize, usize, usize);
 
-/// Where each new token's row of each KV head goes in a layer's K (and V): tokens in sequence
-/// order, a token's heads together (the order of the rows [`KvCache::write`] takes).
-fn slot_offsets<'a>(
+/// Where each new token's row of each KV head goes in a layer's K and V: the offset of its
+/// (block, KV head) region and its slot there; tokens in sequence order, a token's heads
+/// together (the order of the rows [`KvCache::write`] takes).
+fn slots<'a>(
     (hd, kvh, bs): Shape,
     seqs: &'a [AttentionSeq],
-) -> impl Iterator<Item = usize> + 'a {
+) -> impl Iterator<Item = (usize, usize)> + 'a {
     seqs.iter().flat_map(move |seq| {
         (seq.start_pos..seq.start_pos + seq.num_tokens).flat_map(move |pos| {
             let block = seq.blocks[pos / bs] as usize;
-            (0..kvh).map(move |head| ((block * kvh + head) * bs + pos % bs) * hd)
+            (0..kvh).map(move |head| ((block * kvh + head) * bs * hd, pos % bs))
         })
     })
 }
@@ -287,11 +292,14 @@ fn write_rows<T: KvElem>(
         k.len() == values && v.len() == values,
         "K/V rows match the batch"
     );
+    let bs = shape.2;
     let rows = k.chunks_exact(hd).zip(v.chunks_exact(hd));
-    let slots = slot_offsets(shape, seqs);
-    for ((k_row, v_row), dst) in rows.zip(slots) {
-        T::from_f32_slice(&mut store.k[dst..dst + hd], k_row);
-        T::from_f32_slice(&mut store.v[dst..dst + hd], v_row);
+    for ((k_row, v_row), (region, slot)) in rows.zip(slots(shape, seqs)) {
+        let k_column = store.k[region + slot..].iter_mut().step_by(bs);
+        for (dst, &x) in k_column.zip(k_row) {
+            *dst = T::from_f32(x);
+        }
+        T::from_f32_slice(&mut store.v[region + slot * hd..][..hd], v_row);
     }
 }
 
@@ -354,20 +362,31 @@ mod tests {
             };
             host.prefetch_slots(1, &seqs);
             host.write(1, &seqs, &k, &v);
-            // Position 2 is the first slot of the second block (block size 2, one KV head).
+            // Position 2 is the first slot of the second block (block size 2, one KV head):
+            // V's row, and K's column (its elements a block size apart).
             let third = (blocks[1] as usize * 2) * 4;
-            let (k3, v3) = stored(host, 1, third, 4);
-            assert_eq!(k3, [8.5, 9.5, 10.5, 11.5], "{dtype:?}");
+            let (k3, _) = stored(host, 1, third, 8);
+            let (_, v3) = stored(host, 1, third, 4);
+            assert_eq!(
+                k3.iter().step_by(2).collect::<Vec<_>>(),
+                [&8.5, &9.5, &10.5, &11.5]
+            );
             assert_eq!(v3, [-8.0, -9.0, -10.0, -11.0], "{dtype:?}");
+            // Position 1 is the second slot of the first block.
+            let (k1, _) = stored(host, 1, blocks[0] as usize * 8 + 1, 7);
+            assert_eq!(
+                k1.iter().step_by(2).collect::<Vec<_>>(),
+                [&4.5, &5.5, &6.5, &7.5]
+            );
             let (k0, v0) = stored(host, 0, 0, 4 * 2 * 4);
             assert!(k0.iter().chain(&v0).all(|&x| x == 0.0), "{dtype:?}");
         }
     }
 
     #[test]
-    fn slots_follow_the_block_head_slot_layout() {
-        // Head size 4, two KV heads, blocks of two positions: row `(block, head, slot)` starts
-        // at `((block · 2 + head) · 2 + slot) · 4`.
+    fn slots_follow_the_block_head_layout() {
+        // Head size 4, two KV heads, blocks of two positions: region `(block, head)` starts
+        // at `(block · 2 + head) · 2 · 4`.
         let a = AttentionSeq {
             blocks: &[3, 1],
             start_pos: 1,
@@ -378,9 +397,9 @@ mod tests {
             start_pos: 0,
             num_tokens: 1,
         };
-        let got: Vec<usize> = slot_offsets((4, 2, 2), &[a, b]).collect();
+        let got: Vec<(usize, usize)> = slots((4, 2, 2), &[a, b]).collect();
         // a: position 1 (block 3, slot 1), position 2 (block 1, slot 0); b: block 0, slot 0.
-        assert_eq!(got, [52, 60, 16, 24, 0, 8]);
+        assert_eq!(got, [(48, 1), (56, 1), (16, 0), (24, 0), (0, 0), (8, 0)]);
     }
 
     #[test]

@@ -1,9 +1,29 @@
-//! Attention's many-row dot products and weighted sums over `f32` or `f16` cache rows with
-//! AVX2, FMA and F16C ([`scores`], [`weighted_sum`] and their two-query forms).
+//! Attention's scores and weighted sums for many query rows at once over `f32` or `f16` cache
+//! rows, with AVX2, FMA and F16C ([`scores`], [`weighted_sums`]).
+//!
+//! Both hold a tile of up to [`MAX_TILE`] rows' results in registers, [`WIDE`] vectors a row
+//! (16 positions for scores, 16 output columns for weighted sums), so each K or V vector
+//! loaded feeds up to six multiply-adds and each query value or weight broadcast two. A
+//! score is one chain of fused multiply-adds over the head's columns in order, and an output
+//! column one chain over the positions in order, whatever the tile: a row gets the same bits
+//! alone or among others.
 
 use std::arch::x86_64::*;
+use std::array::from_fn;
+use std::cell::RefCell;
 
 use crate::kernels::KvElem;
+
+/// Most query rows a register tile holds.
+const MAX_TILE: usize = 6;
+/// Vectors of eight a register tile holds for each row: twelve accumulators in all, with the
+/// vectors loaded and a broadcast fifteen of the sixteen registers.
+const WIDE: usize = 2;
+
+thread_local! {
+    /// V rows converted to `f32`; grown, never shrunk.
+    static ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
 
 /// Eight cache elements from `p`, as `f32`.
 #[inline]
@@ -16,241 +36,217 @@ unsafe fn load8<T: KvElem>(p: *const T) -> __m256 {
     }
 }
 
-/// `scores[i] = scale · (q · k[i])` for the `scores.len()` rows of `k` (`q.len()` each, a
-/// multiple of 8): eight rows at a time, each into its own accumulator, the eight reduced
-/// together. Returns the largest score.
+/// `(first row, rows)` of each register tile over `n` rows: as few tiles as [`MAX_TILE`]
+/// allows, their sizes within one of each other (seven rows go as four and three, each with
+/// enough independent chains to keep both FMA pipes busy, not as six and one).
+fn row_tiles(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    let tiles = n.div_ceil(MAX_TILE).max(1);
+    let (base, extra) = (n / tiles, n % tiles);
+    (0..tiles).scan(0, move |first, t| {
+        let rows = base + usize::from(t < extra);
+        let tile = (*first, rows);
+        *first += rows;
+        Some(tile)
+    })
+}
+
+/// Calls `$f::<R, V>` with the `[_; R]` array of `$row` (an expression of `$i`, the row), the
+/// first of its `V` vectors and then the other arguments, for each register tile of `$n` rows
+/// and each run of `$w` vectors ([`WIDE`] a call, fewer for the last).
+macro_rules! for_tiles {
+    ($n:expr, $w:expr, |$i:ident| $row:expr, $f:ident $(<$g:ty>)? ($($arg:expr),*)) => {
+        for (first, rows) in row_tiles($n) {
+            let mut tile = |t: usize| {
+                let $i = first + t;
+                $row
+            };
+            for at in (0..$w).step_by(WIDE) {
+                match (rows, ($w - at).min(WIDE)) {
+                    (1, 1) => $f::<1, 1 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (1, _) => $f::<1, 2 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (2, 1) => $f::<2, 1 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (2, _) => $f::<2, 2 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (3, 1) => $f::<3, 1 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (3, _) => $f::<3, 2 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (4, 1) => $f::<4, 1 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (4, _) => $f::<4, 2 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (5, 1) => $f::<5, 1 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (5, _) => $f::<5, 2 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (_, 1) => $f::<6, 1 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                    (_, _) => $f::<6, 2 $(, $g)?>(from_fn(&mut tile), 8 * at, $($arg),*),
+                }
+            }
+        }
+    };
+}
+
+/// `out[r · stride + i] = scale · (q[r] · k_i)` for every query row `q[r]` (`hd` values, a
+/// multiple of 8) and each of the first `n` positions `i` of `k`'s blocks in turn (each `hd`
+/// columns of `bs` positions, `bs` a multiple of 8): a vector loads eight positions of one
+/// column.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn scores<T: KvElem>(q: &[f32], k: &[T], scale: f32, scores: &mut [f32]) -> f32 {
-    let hd = q.len();
-    let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
-    let n = scores.len();
-    assert!(hd.is_multiple_of(8) && k.len() >= n * hd);
-    let pq = q.as_ptr();
-    let scale = _mm256_set1_ps(scale);
-    let mut r0 = 0;
-    while r0 < n {
-        let rows = (n - r0).min(8);
-        // Past the last row, the slots repeat it; their scores are dropped.
-        let mut row = [k.as_ptr(); 8];
-        for (i, r) in row.iter_mut().enumerate() {
-            *r = k.as_ptr().add((r0 + i.min(rows - 1)) * hd);
-        }
-        let mut acc = [_mm256_setzero_ps(); 8];
-        let mut c = 0;
-        while c < hd {
-            let qv = _mm256_loadu_ps(pq.add(c));
-            for (acc, row) in acc.iter_mut().zip(&row) {
-                *acc = _mm256_fmadd_ps(qv, load8(row.add(c)), *acc);
-            }
-            c += 8;
-        }
-        let sums = _mm256_mul_ps(sum_lanes8(&acc), scale);
-        // The repeated slots hold copies of the last row's score.
-        max = _mm256_max_ps(max, sums);
-        if rows == 8 {
-            _mm256_storeu_ps(scores.as_mut_ptr().add(r0), sums);
-        } else {
-            let mut all = [0f32; 8];
-            _mm256_storeu_ps(all.as_mut_ptr(), sums);
-            scores[r0..].copy_from_slice(&all[..rows]);
-        }
-        r0 += 8;
-    }
-    let mut lanes = [0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), max);
-    lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max)
-}
-
-/// [`scores`] for two query heads at once (`q` holds both, `hd` each): every K row loaded
-/// serves both heads, four rows at a time. Head `h`'s scores go to `out[h * stride..]`
-/// (`k.len() / hd` of them); returns each head's largest.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C; `out` must hold `stride + k.len() / hd`
-/// elements.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn scores_pair<T: KvElem>(
-    q: &[f32],
-    k: &[T],
+pub(super) unsafe fn scores<T: KvElem>(
+    q: &[&[f32]],
+    k: &[&[T]],
+    n: usize,
     scale: f32,
     out: &mut [f32],
     stride: usize,
-) -> [f32; 2] {
-    let hd = q.len() / 2;
-    let n = k.len() / hd;
-    assert!(hd.is_multiple_of(8) && out.len() >= stride + n && stride >= n);
-    let (q0, q1) = (q.as_ptr(), q.as_ptr().add(hd));
+) {
+    let (Some(hd), Some(first)) = (q.first().map(|r| r.len()), k.first()) else {
+        return;
+    };
+    let bs = first.len() / hd;
+    assert!(hd.is_multiple_of(8) && bs.is_multiple_of(8) && q.iter().all(|r| r.len() == hd));
+    assert!(k.iter().all(|b| b.len() == bs * hd) && n <= k.len() * bs);
+    assert!(n <= stride && out.len() >= (q.len() - 1) * stride + n);
+    let out = out.as_mut_ptr();
     let scale = _mm256_set1_ps(scale);
-    let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
-    let mut r0 = 0;
-    while r0 < n {
-        let rows = (n - r0).min(4);
-        // Past the last row, the slots repeat it; their scores are dropped.
-        let row: [*const T; 4] =
-            std::array::from_fn(|i| k.as_ptr().add((r0 + i.min(rows - 1)) * hd));
-        // acc[i]: head 0 and row i; acc[4 + i]: head 1 and row i.
-        let mut acc = [_mm256_setzero_ps(); 8];
-        let mut c = 0;
-        while c < hd {
-            let a = _mm256_loadu_ps(q0.add(c));
-            let b = _mm256_loadu_ps(q1.add(c));
-            for (i, row) in row.iter().enumerate() {
-                let x = load8(row.add(c));
-                acc[i] = _mm256_fmadd_ps(a, x, acc[i]);
-                acc[4 + i] = _mm256_fmadd_ps(b, x, acc[4 + i]);
-            }
-            c += 8;
-        }
-        // Lanes 0..4: head 0's rows; lanes 4..8: head 1's.
-        let sums = _mm256_mul_ps(sum_lanes8(&acc), scale);
-        max = _mm256_max_ps(max, sums);
-        if rows == 4 {
-            _mm_storeu_ps(out[r0..r0 + 4].as_mut_ptr(), _mm256_castps256_ps128(sums));
-            let high = _mm256_extractf128_ps::<1>(sums);
-            _mm_storeu_ps(out[stride + r0..stride + r0 + 4].as_mut_ptr(), high);
-        } else {
-            let mut all = [0f32; 8];
-            _mm256_storeu_ps(all.as_mut_ptr(), sums);
-            for i in 0..rows {
-                out[r0 + i] = all[i];
-                out[stride + r0 + i] = all[4 + i];
-            }
-        }
-        r0 += 4;
+    for (b, block) in k.iter().enumerate().take(n.div_ceil(bs)) {
+        let block = Columns {
+            k: block.as_ptr(),
+            n: (n - b * bs).min(bs),
+            bs,
+            hd,
+        };
+        for_tiles!(
+            q.len(),
+            block.n.div_ceil(8),
+            |r| (q[r].as_ptr(), out.add(r * stride + b * bs)),
+            score_tile<T>(&block, scale)
+        );
     }
-    let mut lanes = [0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), max);
-    let top = |l: &[f32]| l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    [top(&lanes[..4]), top(&lanes[4..])]
 }
 
-/// The lane sums of eight vectors, as one vector: lane `i` holds the sum of `a[i]`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn sum_lanes8(a: &[__m256; 8]) -> __m256 {
-    // Two rounds of pairwise sums leave in `u0` the sums of lanes 0..4 (low half) and 4..8
-    // (high half) of a[0..4], in `u1` those of a[4..8]; adding the halves gives the totals.
-    let t0 = _mm256_hadd_ps(a[0], a[1]);
-    let t1 = _mm256_hadd_ps(a[2], a[3]);
-    let t2 = _mm256_hadd_ps(a[4], a[5]);
-    let t3 = _mm256_hadd_ps(a[6], a[7]);
-    let u0 = _mm256_hadd_ps(t0, t1);
-    let u1 = _mm256_hadd_ps(t2, t3);
-    _mm256_add_ps(
-        _mm256_permute2f128_ps::<0x20>(u0, u1),
-        _mm256_permute2f128_ps::<0x31>(u0, u1),
-    )
+/// A block of K: `hd` columns of `bs` positions, the first `n` of them wanted.
+struct Columns<T> {
+    k: *const T,
+    n: usize,
+    bs: usize,
+    hd: usize,
 }
 
-/// `acc += Σ w[i] · v[i]` over the `w.len()` rows of `v` (`acc.len()` each, a multiple of
-/// 8), `acc` held in registers 64 (or 8) columns at a time across all the rows.
+/// The scores of positions `j..j + 8 · P` for a register tile's rows (each a query row and
+/// where its scores go).
+#[inline(always)]
+unsafe fn score_tile<const R: usize, const P: usize, T: KvElem>(
+    rows: [(*const f32, *mut f32); R],
+    j: usize,
+    block: &Columns<T>,
+    scale: __m256,
+) {
+    let mut acc = [[_mm256_setzero_ps(); P]; R];
+    for d in 0..block.hd {
+        let column = block.k.add(d * block.bs + j);
+        let k: [__m256; P] = from_fn(|p| load8(column.add(8 * p)));
+        for (acc, &(q, _)) in acc.iter_mut().zip(&rows) {
+            let x = _mm256_broadcast_ss(&*q.add(d));
+            for (acc, &k) in acc.iter_mut().zip(&k) {
+                *acc = _mm256_fmadd_ps(x, k, *acc);
+            }
+        }
+    }
+    for (acc, &(_, out)) in acc.iter().zip(&rows) {
+        for (p, acc) in acc.iter().enumerate() {
+            let at = j + 8 * p;
+            store_first(out.add(at), _mm256_mul_ps(*acc, scale), block.n - at);
+        }
+    }
+}
+
+/// Stores the first `count` lanes of `x` (all eight for `count >= 8`) at `p`.
+#[inline(always)]
+unsafe fn store_first(p: *mut f32, x: __m256, count: usize) {
+    if count >= 8 {
+        _mm256_storeu_ps(p, x);
+    } else {
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count as i32), lanes);
+        _mm256_maskstore_ps(p, mask, x);
+    }
+}
+
+/// `acc[r] += Σ w[r · stride + i] · v_i` for every output row `acc[r]` (`hd` values, a
+/// multiple of 8) over the rows `v_i` of `v`'s blocks in turn, copied first (as `f32`) into
+/// one run of rows.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn weighted_sum<T: KvElem>(acc: &mut [f32], w: &[f32], v: &[T]) {
-    let hd = acc.len();
-    assert!(hd.is_multiple_of(8) && v.len() >= w.len() * hd);
-    let mut c = 0;
-    while c + 64 <= hd {
-        weighted_sum_cols::<T, 8>(acc.as_mut_ptr().add(c), w, v.as_ptr().add(c), hd);
-        c += 64;
-    }
-    while c < hd {
-        weighted_sum_cols::<T, 1>(acc.as_mut_ptr().add(c), w, v.as_ptr().add(c), hd);
-        c += 8;
-    }
-}
-
-/// [`weighted_sum`] over `8 · N` columns from `acc` and from each row of `v` (rows
-/// `stride` apart).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn weighted_sum_cols<T: KvElem, const N: usize>(
-    acc: *mut f32,
+pub(super) unsafe fn weighted_sums<T: KvElem>(
+    acc: &mut [&mut [f32]],
     w: &[f32],
-    v: *const T,
     stride: usize,
+    v: &[&[T]],
 ) {
-    let mut a = [_mm256_setzero_ps(); N];
-    for (j, a) in a.iter_mut().enumerate() {
-        *a = _mm256_loadu_ps(acc.add(8 * j));
-    }
-    for (i, &wi) in w.iter().enumerate() {
-        let wv = _mm256_set1_ps(wi);
-        let row = v.add(i * stride);
-        for (j, a) in a.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(wv, load8(row.add(8 * j)), *a);
+    let Some(hd) = acc.first().map(|r| r.len()) else {
+        return;
+    };
+    let n = v.iter().map(|b| b.len() / hd).sum::<usize>();
+    assert!(hd.is_multiple_of(8) && acc.iter().all(|r| r.len() == hd));
+    assert!(n <= stride && w.len() >= (acc.len() - 1) * stride + n);
+    ROWS.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        if buf.len() < n * hd {
+            buf.resize(n * hd, 0.0);
         }
-    }
-    for (j, a) in a.iter().enumerate() {
-        _mm256_storeu_ps(acc.add(8 * j), *a);
-    }
+        let mut dst = buf.as_mut_ptr();
+        for block in v {
+            for i in (0..block.len() / hd * hd).step_by(8) {
+                _mm256_storeu_ps(dst, load8(block.as_ptr().add(i)));
+                dst = dst.add(8);
+            }
+        }
+        let block = Rows {
+            v: buf.as_ptr(),
+            n,
+            hd,
+        };
+        for_tiles!(
+            acc.len(),
+            hd / 8,
+            |r| (acc[r].as_mut_ptr(), w.as_ptr().add(r * stride)),
+            value_tile(&block)
+        );
+    })
 }
 
-/// [`weighted_sum`] for two heads at once: `acc` holds both heads' outputs (`hd` each),
-/// head `h`'s weights are `w[h * stride..]` (`v.len() / hd` of them); every V row loaded
-/// serves both heads, 32 (or 8) columns at a time.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn weighted_sum_pair<T: KvElem>(
-    acc: &mut [f32],
-    w: &[f32],
-    stride: usize,
-    v: &[T],
-) {
-    let hd = acc.len() / 2;
-    let n = v.len() / hd;
-    assert!(hd.is_multiple_of(8) && w.len() >= stride + n && stride >= n);
-    let (w0, w1) = (&w[..n], &w[stride..stride + n]);
-    let (a0, a1) = acc.split_at_mut(hd);
-    let mut c = 0;
-    while c + 32 <= hd {
-        weighted_sum_pair_cols::<T, 4>(a0, a1, c, (w0, w1), v.as_ptr().add(c), hd);
-        c += 32;
-    }
-    while c < hd {
-        weighted_sum_pair_cols::<T, 1>(a0, a1, c, (w0, w1), v.as_ptr().add(c), hd);
-        c += 8;
-    }
+/// V rows in `f32`: `n` of `hd`.
+struct Rows {
+    v: *const f32,
+    n: usize,
+    hd: usize,
 }
 
-/// [`weighted_sum_pair`] over `8 · N` columns from column `c` of both outputs and from
-/// each row of `v` (rows `stride` apart).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn weighted_sum_pair_cols<T: KvElem, const N: usize>(
-    a0: &mut [f32],
-    a1: &mut [f32],
+/// The output columns `c..c + 8 · C` of a register tile's rows (each an output row and its
+/// weights), in registers across all the rows of V.
+#[inline(always)]
+unsafe fn value_tile<const R: usize, const C: usize>(
+    rows: [(*mut f32, *const f32); R],
     c: usize,
-    (w0, w1): (&[f32], &[f32]),
-    v: *const T,
-    stride: usize,
+    block: &Rows,
 ) {
-    let (p0, p1) = (a0[c..c + 8 * N].as_mut_ptr(), a1[c..c + 8 * N].as_mut_ptr());
-    let mut s0: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(p0.add(8 * j)));
-    let mut s1: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(p1.add(8 * j)));
-    for (i, (&x0, &x1)) in w0.iter().zip(w1).enumerate() {
-        let (x0, x1) = (_mm256_set1_ps(x0), _mm256_set1_ps(x1));
-        let row = v.add(i * stride);
-        for j in 0..N {
-            let x = load8(row.add(8 * j));
-            s0[j] = _mm256_fmadd_ps(x0, x, s0[j]);
-            s1[j] = _mm256_fmadd_ps(x1, x, s1[j]);
+    let mut acc: [[__m256; C]; R] =
+        from_fn(|r| from_fn(|j| _mm256_loadu_ps(rows[r].0.add(c + 8 * j))));
+    for i in 0..block.n {
+        let v = block.v.add(i * block.hd + c);
+        let x: [__m256; C] = from_fn(|j| _mm256_loadu_ps(v.add(8 * j)));
+        for (acc, &(_, w)) in acc.iter_mut().zip(&rows) {
+            let wi = _mm256_broadcast_ss(&*w.add(i));
+            for (acc, &x) in acc.iter_mut().zip(&x) {
+                *acc = _mm256_fmadd_ps(wi, x, *acc);
+            }
         }
     }
-    for j in 0..N {
-        _mm256_storeu_ps(p0.add(8 * j), s0[j]);
-        _mm256_storeu_ps(p1.add(8 * j), s1[j]);
+    for (acc, &(out, _)) in acc.iter().zip(&rows) {
+        for (j, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.add(c + 8 * j), *acc);
+        }
     }
 }
 
@@ -258,32 +254,98 @@ unsafe fn weighted_sum_pair_cols<T: KvElem, const N: usize>(
 mod tests {
     use super::*;
 
-    /// The vector scores and weighted sums against f64 sums over the stored values, for
-    /// `f32` and `f16` rows.
+    #[test]
+    fn row_tiles_cover_the_rows_evenly() {
+        for n in 1..40 {
+            let tiles: Vec<(usize, usize)> = row_tiles(n).collect();
+            assert_eq!(tiles.len(), n.div_ceil(MAX_TILE), "{n} rows");
+            let mut next = 0;
+            for &(first, rows) in &tiles {
+                assert_eq!(first, next);
+                assert!((1..=MAX_TILE).contains(&rows));
+                next += rows;
+            }
+            assert_eq!(next, n);
+            let sizes = tiles.iter().map(|t| t.1);
+            assert!(
+                sizes.clone().max().unwrap() - sizes.min().unwrap() <= 1,
+                "{n} rows"
+            );
+        }
+    }
+
+    /// The vector scores and weighted sums of several rows at once against f64 sums over the
+    /// stored values, for `f32` and `f16` rows; and each row's results, bit for bit, what it
+    /// gets alone.
     fn check_simd_rows<T: KvElem>() {
-        if crate::kernels::qmatmul::Isa::best() != crate::kernels::qmatmul::Isa::Scalar {
-            for hd in [8, 16, 24, 64, 72, 128] {
-                for n in [1, 5, 8, 13, 16] {
-                    let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.37).sin()).collect();
-                    let rows: Vec<T> = (0..n * hd)
+        if crate::kernels::qmatmul::Isa::best() == crate::kernels::qmatmul::Isa::Scalar {
+            return;
+        }
+        for hd in [8, 16, 24, 64, 72, 128] {
+            for n in [1, 5, 8, 13, 16, 27, 45] {
+                for rows in [1, 4, 7, 13] {
+                    let stride = n + 3;
+                    let q: Vec<Vec<f32>> = (0..rows)
+                        .map(|r| (0..hd).map(|i| ((i + 7 * r) as f32 * 0.37).sin()).collect())
+                        .collect();
+                    let q: Vec<&[f32]> = q.iter().map(|r| &r[..]).collect();
+                    // Position `i`'s row, V's layout: blocks of five rows, the last partial.
+                    let cache: Vec<T> = (0..n * hd)
                         .map(|i| T::from_f32((i as f32 * 0.11).cos()))
                         .collect();
-                    let row = |i: usize, d: usize| rows[i * hd + d].to_f32() as f64;
-                    let mut got = vec![f32::NAN; n];
+                    let blocks: Vec<&[T]> = cache.chunks(5 * hd).collect();
+                    let at = |i: usize, d: usize| cache[i * hd + d].to_f32() as f64;
+                    // The same rows in K's layout: blocks of 16 positions (columns of 16),
+                    // the last partial, with other values after position `n`.
+                    let bs = 16;
+                    let columns: Vec<T> = (0..n.div_ceil(bs) * bs * hd)
+                        .map(|e| {
+                            let (b, d, slot) = (e / (bs * hd), e / bs % hd, e % bs);
+                            let i = b * bs + slot;
+                            if i < n {
+                                cache[i * hd + d]
+                            } else {
+                                T::from_f32(1e4)
+                            }
+                        })
+                        .collect();
+                    let k_blocks: Vec<&[T]> = columns.chunks(bs * hd).collect();
+                    let case = format!("hd={hd} n={n} rows={rows}");
+                    let mut got = vec![f32::NAN; rows * stride];
                     // SAFETY: checked above that the CPU has AVX2, FMA and F16C.
-                    let max = unsafe { scores(&q, &rows, 0.5, &mut got) };
-                    assert_eq!(max, got.iter().copied().fold(f32::NEG_INFINITY, f32::max));
-                    for (i, g) in got.iter().enumerate() {
-                        let want: f64 = (0..hd).map(|d| q[d] as f64 * row(i, d) * 0.5).sum();
-                        assert!((*g as f64 - want).abs() < 1e-5, "hd={hd} n={n} row {i}");
+                    unsafe { scores(&q, &k_blocks, n, 0.5, &mut got, stride) };
+                    for (r, q) in q.iter().enumerate() {
+                        for i in 0..n {
+                            let want: f64 = (0..hd).map(|d| q[d] as f64 * at(i, d) * 0.5).sum();
+                            let g = got[r * stride + i] as f64;
+                            assert!((g - want).abs() < 1e-5, "{case} score {r}, {i}");
+                        }
+                        // Nothing written past a row's `n` scores.
+                        let past = &got[r * stride + n..(r + 1) * stride];
+                        assert!(past.iter().all(|x| x.is_nan()), "{case}");
+                        let mut alone = vec![f32::NAN; n];
+                        unsafe { scores(&[q], &k_blocks, n, 0.5, &mut alone, n) };
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&alone), bits(&got[r * stride..][..n]), "{case}");
                     }
-                    let w: Vec<f32> = (0..n).map(|i| 0.25 + i as f32 * 0.1).collect();
-                    let mut fast = q.clone();
-                    unsafe { weighted_sum(&mut fast, &w, &rows) };
-                    for (d, f) in fast.iter().enumerate() {
-                        let want =
-                            q[d] as f64 + (0..n).map(|i| w[i] as f64 * row(i, d)).sum::<f64>();
-                        assert!((*f as f64 - want).abs() < 1e-5, "hd={hd} n={n} col {d}");
+                    let w: Vec<f32> = (0..rows * stride)
+                        .map(|i| 0.25 + (i % 11) as f32 * 0.1)
+                        .collect();
+                    let mut outs: Vec<Vec<f32>> = q.iter().map(|r| r.to_vec()).collect();
+                    let mut acc: Vec<&mut [f32]> = outs.iter_mut().map(|r| &mut r[..]).collect();
+                    unsafe { weighted_sums(&mut acc, &w, stride, &blocks) };
+                    for (r, out) in outs.iter().enumerate() {
+                        for (d, o) in out.iter().enumerate() {
+                            let sum: f64 =
+                                (0..n).map(|i| w[r * stride + i] as f64 * at(i, d)).sum();
+                            let want = q[r][d] as f64 + sum;
+                            assert!((*o as f64 - want).abs() < 1e-5, "{case} out {r}, {d}");
+                        }
+                        let mut alone = q[r].to_vec();
+                        unsafe {
+                            weighted_sums(&mut [&mut alone[..]], &w[r * stride..], n, &blocks)
+                        };
+                        assert_eq!(alone, *out, "{case}");
                     }
                 }
             }

@@ -83,13 +83,13 @@ fn run_case_in<T: KvElem>(
         let dv: Vec<f32> = (0..len * kv_heads * hd).map(|_| stored()).collect();
         for p in 0..len {
             for h in 0..kv_heads {
-                let dst = ((table[p / block_size] as usize * kv_heads + h) * block_size
-                    + p % block_size)
-                    * hd;
+                // K's columns and V's rows of the (block, KV head) part.
+                let part = (table[p / block_size] as usize * kv_heads + h) * block_size * hd;
+                let slot = p % block_size;
                 let src = (p * kv_heads + h) * hd;
                 for d in 0..hd {
-                    k[dst + d] = T::from_f32(dk[src + d]);
-                    v[dst + d] = T::from_f32(dv[src + d]);
+                    k[part + d * block_size + slot] = T::from_f32(dk[src + d]);
+                    v[part + slot * hd + d] = T::from_f32(dv[src + d]);
                 }
             }
         }
@@ -173,7 +173,7 @@ fn model_head_sizes_match_dense_attention() {
 }
 
 /// A work item's body, as [`attend_blocks`] and its entry points are.
-type Body = fn(&[f32], &mut [f32], &PagedKv, Span, &mut SoftmaxState);
+type Body = fn(&[&[f32]], &mut [&mut [f32]], &PagedKv, Span, &mut SoftmaxState);
 
 /// Random K and V for four blocks of one KV head (`bs` positions of `hd` each), and
 /// `group` query heads, in that order from `rng`.
@@ -201,14 +201,15 @@ fn one_kv_head_view<'a>(k: &'a [f32], v: &'a [f32], bs: usize, hd: usize) -> Pag
     }
 }
 
-/// `body` over `spans` in turn, carrying one softmax state; the normalised output.
+/// `body` over `spans` in turn for one token's `group` query heads, carrying one softmax
+/// state; the normalised output.
 fn attend_spans(body: Body, q: &[f32], kv: &PagedKv, spans: &[Span], group: usize) -> Vec<f32> {
     let mut out = vec![0f32; q.len()];
     let mut state = SoftmaxState::new(group);
     for &span in spans {
-        body(q, &mut out, kv, span, &mut state);
+        body(&[q], &mut [&mut out], kv, span, &mut state);
     }
-    state.normalise(&mut out, kv.head_dim);
+    state.normalise(&mut [&mut out], kv.head_dim);
     out
 }
 
@@ -266,6 +267,80 @@ fn long_prefills_match_dense_attention() {
     run_case(16, 14, 2, 64, &[(0, 40), (5, 9), (70, 1)]);
     run_case(16, 12, 2, 128, &[(0, 37), (3, 6)]);
     run_case(5, 9, 3, 24, &[(0, 23), (12, 11)]);
+}
+
+/// A prompt's rows, computed in tiles of several tokens, are bit for bit those of its tokens
+/// attended one at a time (as decode steps are), for both cache types.
+#[test]
+fn a_prompts_rows_equal_its_tokens_attended_alone() {
+    fn check<T: KvElem>(heads: usize, kv_heads: usize, hd: usize, len: usize) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let bs = 16;
+        let blocks: Vec<u32> = (0..len.div_ceil(bs) as u32).rev().collect();
+        let size = blocks.len() * kv_heads * bs * hd;
+        let mut random =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+        let k: Vec<T> = random(size).into_iter().map(T::from_f32).collect();
+        let v: Vec<T> = random(size).into_iter().map(T::from_f32).collect();
+        let q = random(len * heads * hd);
+        let kv = PagedKv {
+            k: &k,
+            v: &v,
+            block_size: bs,
+            num_kv_heads: kv_heads,
+            head_dim: hd,
+        };
+        let seq = |start_pos: usize, num_tokens: usize| AttentionSeq {
+            blocks: &blocks,
+            start_pos,
+            num_tokens,
+        };
+        let mut whole = vec![f32::NAN; q.len()];
+        paged_attention(&q, heads, &kv, &[seq(0, len)], 0.125, &mut whole);
+        let width = heads * hd;
+        for (t, want) in whole.chunks_exact(width).enumerate() {
+            let mut alone = vec![f32::NAN; width];
+            paged_attention(
+                &q[t * width..][..width],
+                heads,
+                &kv,
+                &[seq(t, 1)],
+                0.125,
+                &mut alone,
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&alone),
+                bits(want),
+                "token {t} of {len}, {heads}/{kv_heads} heads, hd {hd}"
+            );
+        }
+    }
+    // Contexts short enough that a token alone is not split over threads.
+    assert!(chunk_blocks(&[(0, 100)], 1, 16).is_none());
+    for (heads, kv_heads, hd) in [(14, 2, 64), (12, 2, 128), (9, 3, 64), (4, 4, 24)] {
+        check::<f32>(heads, kv_heads, hd, 100);
+        check::<half::f16>(heads, kv_heads, hd, 61);
+    }
+}
+
+#[test]
+fn tiles_cut_each_sequence_into_runs() {
+    let blocks = [0u32];
+    let seq = |num_tokens: usize| AttentionSeq {
+        blocks: &blocks,
+        start_pos: 0,
+        num_tokens,
+    };
+    assert_eq!(
+        tiles(&[seq(10), seq(1), seq(4)], 4),
+        [(0, 4), (4, 4), (8, 2), (10, 1), (11, 4)]
+    );
+    assert_eq!(tiles(&[seq(3)], 1), [(0, 1), (1, 1), (2, 1)]);
+    // Tiles aim for TILE_ROWS rows, but leave every thread several work items.
+    assert_eq!(tile_tokens(7, 1_000_000), TILE_ROWS.div_ceil(7));
+    assert_eq!(tile_tokens(1, 1), 1);
+    assert!(tile_tokens(6, 8 * current_threads()) <= 2);
 }
 
 #[test]
