@@ -140,20 +140,35 @@ unsafe fn score_tile<const R: usize, const P: usize, T: KvElem>(
     scale: __m256,
 ) {
     let mut acc = [[_mm256_setzero_ps(); P]; R];
-    for d in 0..block.hd {
-        let column = block.k.add(d * block.bs + j);
-        let k: [__m256; P] = from_fn(|p| load8(column.add(8 * p)));
-        for (acc, &(q, _)) in acc.iter_mut().zip(&rows) {
-            let x = _mm256_broadcast_ss(&*q.add(d));
-            for (acc, &k) in acc.iter_mut().zip(&k) {
-                *acc = _mm256_fmadd_ps(x, k, *acc);
-            }
-        }
-    }
+    let q = rows.map(|(q, _)| q);
+    rank_one_updates(&mut acc, q, block.k.add(j), block.bs, block.hd);
     for (acc, &(_, out)) in acc.iter().zip(&rows) {
         for (p, acc) in acc.iter().enumerate() {
             let at = j + 8 * p;
             store_first(out.add(at), _mm256_mul_ps(*acc, scale), block.n - at);
+        }
+    }
+}
+
+/// `acc[r][j] += a[r][s] · b_s[j]` for each step `s < steps`, in order: `b_s` is the `V`
+/// vectors of eight at `b + s · b_step` (loaded once a step for every row), `a[r][s]` is
+/// broadcast. The register tile both scores and weighted sums are made of.
+#[inline(always)]
+unsafe fn rank_one_updates<const R: usize, const V: usize, T: KvElem>(
+    acc: &mut [[__m256; V]; R],
+    a: [*const f32; R],
+    b: *const T,
+    b_step: usize,
+    steps: usize,
+) {
+    for s in 0..steps {
+        let row = b.add(s * b_step);
+        let b: [__m256; V] = from_fn(|j| load8(row.add(8 * j)));
+        for (acc, a) in acc.iter_mut().zip(&a) {
+            let x = _mm256_broadcast_ss(&*a.add(s));
+            for (acc, &b) in acc.iter_mut().zip(&b) {
+                *acc = _mm256_fmadd_ps(x, b, *acc);
+            }
         }
     }
 }
@@ -233,16 +248,8 @@ unsafe fn value_tile<const R: usize, const C: usize>(
 ) {
     let mut acc: [[__m256; C]; R] =
         from_fn(|r| from_fn(|j| _mm256_loadu_ps(rows[r].0.add(c + 8 * j))));
-    for i in 0..block.n {
-        let v = block.v.add(i * block.hd + c);
-        let x: [__m256; C] = from_fn(|j| _mm256_loadu_ps(v.add(8 * j)));
-        for (acc, &(_, w)) in acc.iter_mut().zip(&rows) {
-            let wi = _mm256_broadcast_ss(&*w.add(i));
-            for (acc, &x) in acc.iter_mut().zip(&x) {
-                *acc = _mm256_fmadd_ps(wi, x, *acc);
-            }
-        }
-    }
+    let w = rows.map(|(_, w)| w);
+    rank_one_updates(&mut acc, w, block.v.add(c), block.hd, block.n);
     for (acc, &(out, _)) in acc.iter().zip(&rows) {
         for (j, acc) in acc.iter().enumerate() {
             _mm256_storeu_ps(out.add(c + 8 * j), *acc);
