@@ -438,7 +438,8 @@ fn attend_blocks_with<T: KvElem, S, V, E>(
             prefetch_lines(part.as_ptr(), std::mem::size_of_val(part));
         }
     };
-    // Each block's rows in K and in V; a call of the block ops covers `per_call` blocks.
+    // Each block's part of K and its rows of V; a call of the block ops covers `per_call`
+    // blocks.
     let k_blocks: Vec<&[T]> = (0..n_blocks).map(|bi| &kv.k[block_part(bi)]).collect();
     let v_blocks: Vec<&[T]> = (0..n_blocks).map(|bi| &kv.v[block_rows(bi)]).collect();
     let per_call = CALL_POSITIONS.div_ceil(bs);

@@ -3,9 +3,9 @@
 //! The cache is owned by the caller of the forward pass (a model actor), never by the model.
 //! It is storage only: which blocks a sequence holds is the block allocator's business
 //! (`scheduler::BlockPool`), and a forward pass is told each sequence's block ids in order.
-//! Layout of one layer: V `[block][kv_head][slot][head_dim]`, K `[block][kv_head][head_dim][slot]`
-//! (see `kernels::attention`), in `f16`
-//! by default (half the memory and half the bytes attention reads) or `f32` ([`KvDtype`]).
+//! Layout of one layer: V `[block][kv_head][slot][head_dim]`, K
+//! `[block][kv_head][head_dim][slot]` (see `kernels::attention`), in `f16` by default (half the
+//! memory and half the bytes attention reads) or `f32` ([`KvDtype`]).
 
 use half::f16;
 
