@@ -143,35 +143,6 @@ pub(super) unsafe fn q4k_pass4(
     *sumi = [s0, s1, s2, s3];
 }
 
-/// The rows of a Q6_K pass: row `r`'s bytes at offset `$off` past the pass's start, from the
-/// bases of rows 0 and 4 and the stride between rows (and three times it).
-macro_rules! q6k_row {
-    (0, $off:expr) => {
-        concat!("[{b} + ", $off, "]")
-    };
-    (1, $off:expr) => {
-        concat!("[{b} + {st} + ", $off, "]")
-    };
-    (2, $off:expr) => {
-        concat!("[{b} + {st} * 2 + ", $off, "]")
-    };
-    (3, $off:expr) => {
-        concat!("[{b} + {st3} + ", $off, "]")
-    };
-    (4, $off:expr) => {
-        concat!("[{b4} + ", $off, "]")
-    };
-    (5, $off:expr) => {
-        concat!("[{b4} + {st} + ", $off, "]")
-    };
-    (6, $off:expr) => {
-        concat!("[{b4} + {st} * 2 + ", $off, "]")
-    };
-    (7, $off:expr) => {
-        concat!("[{b4} + {st3} + ", $off, "]")
-    };
-}
-
 /// Group `$g`'s values (four of each weight row, as bytes) into `$v`: the low six bits of
 /// byte `$j` of the group (sub-blocks `4n + j`, `j` < 3, from `{q}` = the `j`th 32 bytes) or,
 /// for sub-block `4n + 3` (`{q}` = the first), the top two bits of all three.
@@ -338,54 +309,29 @@ pub(super) unsafe fn q6k_sub8(
     sumi: &mut [__m256i; 8],
 ) {
     use std::arch::x86_64::_mm256_set1_epi8;
-    let [mut s0, mut s1, mut s2, mut s3, mut s4, mut s5, mut s6, mut s7] = *sumi;
-    macro_rules! sub {
-        ($kind:ident) => {
-            asm!(
-                // Each kind uses some of the masks.
-                "/* {m3f} {m03} {m0c} {m30} */",
-                q6k_half!($kind, 0, 1, 2, 3, 0, 0),
-                q6k_half!($kind, 4, 5, 6, 7, 128, 8),
-                q = in(reg) q,
-                sc = in(reg) scales,
-                b = in(reg) x,
-                b4 = in(reg) x.wrapping_add(4 * stride),
-                st = in(reg) stride,
-                st3 = in(reg) 3 * stride,
-                pf = in(reg) pf,
-                m3f = in(ymm_reg) _mm256_set1_epi8(0x3F),
-                m03 = in(ymm_reg) _mm256_set1_epi8(0x03),
-                m0c = in(ymm_reg) _mm256_set1_epi8(0x0C),
-                m30 = in(ymm_reg) _mm256_set1_epi8(0x30),
-                s0 = inout(ymm_reg) s0,
-                s1 = inout(ymm_reg) s1,
-                s2 = inout(ymm_reg) s2,
-                s3 = inout(ymm_reg) s3,
-                s4 = inout(ymm_reg) s4,
-                s5 = inout(ymm_reg) s5,
-                s6 = inout(ymm_reg) s6,
-                s7 = inout(ymm_reg) s7,
-                out("zmm16") _,
-                out("zmm17") _,
-                out("zmm18") _,
-                out("zmm19") _,
-                out("zmm20") _,
-                out("zmm24") _,
-                out("zmm25") _,
-                out("zmm26") _,
-                out("zmm27") _,
-                out("zmm28") _,
-                out("zmm29") _,
-                out("zmm30") _,
-                out("zmm31") _,
-                options(nostack, readonly, preserves_flags),
-            )
-        };
-    }
-    if high {
-        sub!(high);
-    } else {
-        sub!(low);
-    }
-    *sumi = [s0, s1, s2, s3, s4, s5, s6, s7];
+    // Each kind uses some of the masks.
+    q6k_sub8_asm!(
+        q6k_half,
+        high,
+        (q, scales, x, stride, pf),
+        sumi,
+        "{m3f} {m03} {m0c} {m30}",
+        m3f = in(ymm_reg) _mm256_set1_epi8(0x3F),
+        m03 = in(ymm_reg) _mm256_set1_epi8(0x03),
+        m0c = in(ymm_reg) _mm256_set1_epi8(0x0C),
+        m30 = in(ymm_reg) _mm256_set1_epi8(0x30),
+        out("zmm16") _,
+        out("zmm17") _,
+        out("zmm18") _,
+        out("zmm19") _,
+        out("zmm20") _,
+        out("zmm24") _,
+        out("zmm25") _,
+        out("zmm26") _,
+        out("zmm27") _,
+        out("zmm28") _,
+        out("zmm29") _,
+        out("zmm30") _,
+        out("zmm31") _,
+    );
 }

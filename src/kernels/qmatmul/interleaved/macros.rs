@@ -1,5 +1,6 @@
 //! The macros the interleaved formats' kernels are written with: dispatch by tile height,
-//! one SIMD tile per instruction set, unrolled row loops, and the pair-tile entry points.
+//! one SIMD tile per instruction set, unrolled row loops, the pair-tile entry points, and the
+//! row addresses of the Q6_K assembly passes.
 
 /// Dispatches a tile of `sums.len()` activation rows to `$kernel::<[G,] T>(args.., sums)` for
 /// each listed `T`.
@@ -112,4 +113,80 @@ macro_rules! pair_tiles {
             $tile(w, acts, kb, rows, stream, sums)
         }
     };
+}
+
+/// The rows of a Q6_K assembly pass (`evex`, `vex`): row `r`'s bytes at offset `$off` past the
+/// pass's start, from the bases of rows 0 and 4 and the stride between rows (and three times
+/// it).
+macro_rules! q6k_row {
+    (0, $off:expr) => {
+        concat!("[{b} + ", $off, "]")
+    };
+    (1, $off:expr) => {
+        concat!("[{b} + {st} + ", $off, "]")
+    };
+    (2, $off:expr) => {
+        concat!("[{b} + {st} * 2 + ", $off, "]")
+    };
+    (3, $off:expr) => {
+        concat!("[{b} + {st3} + ", $off, "]")
+    };
+    (4, $off:expr) => {
+        concat!("[{b4} + ", $off, "]")
+    };
+    (5, $off:expr) => {
+        concat!("[{b4} + {st} + ", $off, "]")
+    };
+    (6, $off:expr) => {
+        concat!("[{b4} + {st} * 2 + ", $off, "]")
+    };
+    (7, $off:expr) => {
+        concat!("[{b4} + {st3} + ", $off, "]")
+    };
+}
+
+/// The `asm!` of a Q6_K pass (`evex`, `vex`) over one sub-block for eight activation rows:
+/// `$half!` (the encoding's text for one scale's 16 values) for both scales, of the fourth
+/// sub-block's kind where `$high` holds, with the operands both encodings bind (the sums
+/// `$sumi`, and the rows as `q6k_row` addresses them), `$uses` naming in a comment the
+/// operands one kind leaves unused, and the encoding's own operands after.
+macro_rules! q6k_sub8_asm {
+    (
+        $half:ident, $high:expr, ($q:expr, $scales:expr, $x:expr, $stride:expr, $pf:expr),
+        $sumi:expr, $uses:literal, $($own:tt)*
+    ) => {{
+        let [mut s0, mut s1, mut s2, mut s3, mut s4, mut s5, mut s6, mut s7] = *$sumi;
+        macro_rules! pass {
+            ($kind:ident) => {
+                asm!(
+                    concat!("/* ", $uses, " */"),
+                    $half!($kind, 0, 1, 2, 3, 0, 0),
+                    $half!($kind, 4, 5, 6, 7, 128, 8),
+                    q = in(reg) $q,
+                    sc = in(reg) $scales,
+                    b = in(reg) $x,
+                    b4 = in(reg) $x.wrapping_add(4 * $stride),
+                    st = in(reg) $stride,
+                    st3 = in(reg) 3 * $stride,
+                    pf = in(reg) $pf,
+                    s0 = inout(ymm_reg) s0,
+                    s1 = inout(ymm_reg) s1,
+                    s2 = inout(ymm_reg) s2,
+                    s3 = inout(ymm_reg) s3,
+                    s4 = inout(ymm_reg) s4,
+                    s5 = inout(ymm_reg) s5,
+                    s6 = inout(ymm_reg) s6,
+                    s7 = inout(ymm_reg) s7,
+                    $($own)*
+                    options(nostack, readonly, preserves_flags),
+                )
+            };
+        }
+        if $high {
+            pass!(high);
+        } else {
+            pass!(low);
+        }
+        *$sumi = [s0, s1, s2, s3, s4, s5, s6, s7];
+    }};
 }

@@ -16,16 +16,17 @@
 //! AVX-512 VNNI a tile of one row takes the 512-bit kernels of `avx512_row` (and of `q4k` /
 //! `q6k`), Q4_K tiles of four rows and Q6_K tiles of eight take the assembly passes of `evex`,
 //! and with AMX products of [`Interleaved::AMX_MIN_ROWS`] rows or more take the tiles of
-//! `amx_tiles`. With AVX2, Q5_0 products of 8 rows or more take the tall tiles of `tall`, which
-//! read the slice's values unpacked once. Every path gives a row's product the same bits.
+//! `amx_tiles`. With AVX2 alone, Q6_K tiles of eight rows take the assembly pass of `vex`, and
+//! Q5_0 products of 8 rows or more the tall tiles of `tall`, which read the slice's values
+//! unpacked once. Every path gives a row's product the same bits.
 //!
 //! Files: one per block format (`block32` for Q4_0, Q4_1, Q5_0 and Q8_0 with the contract their
 //! kernels read in `block32_trait`; `q4k`, `q6k` with their own 512-bit and AMX kernels beside
 //! their layouts), one per instruction set's kernels for the 32-value formats (`avx512_row`,
-//! `amx_tiles`, whose helpers the K-quants share), `evex` for the tiles' passes in assembly,
-//! `gated` for the fused SiLU·gate, `tall` for the AVX2 tiles of tall products that unpack a
-//! slice of weights once for all its row tiles, and `macros` for the macros they are written
-//! with.
+//! `amx_tiles`, whose helpers the K-quants share), `evex` and `vex` for the tiles' passes in
+//! assembly (AVX-512's encoding and AVX2's), `gated` for the fused SiLU·gate, `tall` for the
+//! AVX2 tiles of tall products that unpack a slice of weights once for all its row tiles, and
+//! `macros` for the macros they are written with.
 
 use std::ops::Range;
 
@@ -49,6 +50,8 @@ mod q4k;
 mod q6k;
 #[cfg(target_arch = "x86_64")]
 mod tall;
+#[cfg(target_arch = "x86_64")]
+mod vex;
 pub use block32::{BlockQ4_0x8, BlockQ4_1x8, BlockQ5_0x8, BlockQ8_0x8};
 pub use gated::GatedPacked;
 pub use q4k::BlockQ4Kx8;

@@ -232,7 +232,7 @@ mod zmm {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::{broadcast4, evex, line_at, tile_prefetch_line};
+    use super::super::{broadcast4, evex, line_at, tile_prefetch_line, vex};
     use super::{q_index, ActBlockK, BlockQ6Kx8, ROWS};
     use crate::kernels::qmatmul::avx2::{dp16, scaled, scales};
     use crate::kernels::qmatmul::ByteDot;
@@ -294,23 +294,23 @@ mod avx2 {
             let block = w.get_unchecked(b);
             let rows: [&ActBlockK; T] = std::array::from_fn(|r| acts.get_unchecked(r * kb + b));
             let mut sumi = [_mm256_setzero_si256(); T];
-            if D::EVEX && T == 8 {
-                // The loop below in assembly (see `interleaved::evex`), with its requests: a
-                // sub-block's lines `4 sub..4 sub + 4`.
+            if (D::EVEX || !D::VNNI) && T == 8 {
+                // The loop below in assembly (`interleaved::evex` with AVX-512, `vex` with AVX2
+                // alone), with its requests: a sub-block's lines `4 sub..4 sub + 4`.
                 let sumi8 = <&mut [__m256i; 8]>::try_from(&mut sumi[..]).expect("eight rows");
                 let stride = kb * std::mem::size_of::<ActBlockK>();
                 let ahead = <BlockQ6Kx8 as super::Interleaved>::PREFETCH_AHEAD;
                 for sub in 0..8 {
                     let (n, k) = (sub / 4, sub % 4);
-                    evex::q6k_sub8(
-                        k == 3,
-                        block.q.as_ptr().add(q_index(n, 0, k % 3, 0)),
-                        block.scales.as_ptr().add(16 * sub),
-                        rows[0].qs.as_ptr().add(32 * sub),
-                        stride,
-                        line_at(block, ahead, 4 * sub),
-                        sumi8,
-                    );
+                    let q = block.q.as_ptr().add(q_index(n, 0, k % 3, 0));
+                    let scales = block.scales.as_ptr().add(16 * sub);
+                    let x = rows[0].qs.as_ptr().add(32 * sub);
+                    let pf = line_at(block, ahead, 4 * sub);
+                    if D::EVEX {
+                        evex::q6k_sub8(k == 3, q, scales, x, stride, pf, sumi8);
+                    } else {
+                        vex::q6k_sub8(k == 3, q, scales, x, stride, pf, sumi8);
+                    }
                 }
                 finish(block, &rows, &sumi, &mut acc);
                 continue;
