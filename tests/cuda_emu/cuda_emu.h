@@ -30,6 +30,7 @@
 struct uint3_ { unsigned int x, y, z; };
 static uint3_ threadIdx, blockIdx, blockDim, gridDim;
 
+struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) uint2 { unsigned int x, y; };
 struct alignas(16) uint4 { unsigned int x, y, z, w; };

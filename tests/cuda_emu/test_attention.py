@@ -1,7 +1,9 @@
-"""attention.cu: kv_write_f16 (bit for bit) and paged_attention_f16 against a numpy (f64)
-softmax attention over the same f16 cache: head dims 32 / 36 / 64 / 80 / 128 / 256, grouped
-heads, block sizes 3..32, 1..16 warps, scattered block tables, several sequences in one
-launch, a padding token (position -1) and large scores (online-softmax rescaling)."""
+"""attention.cu: kv_write_f16 (bit for bit), paged_attention_f16 and (head dims 64 and 128)
+paged_attention_tiles_f16 against a numpy (f64) softmax attention over the same f16 cache:
+head dims 32 / 36 / 64 / 80 / 128 / 256, grouped heads (up to 20 a KV head), block sizes
+3..32, 1..16 warps, scattered block tables, several sequences in one launch, prefills and
+extends cut into tiles, a padding token (position -1) and large scores (online-softmax
+rescaling)."""
 
 import numpy as np
 
@@ -78,6 +80,31 @@ def run_case(c, rng, head_dim, num_heads, num_kv_heads, block_size, warps, seq_l
     err = float(np.max(np.abs(out - want)))
     ok = err < 2e-5 * max(1.0, qscale) and np.isfinite(out).all()
     c.true(f"paged_attention_f16 {what} queries={nt} qscale={qscale}", ok, f"err {err:.3g}")
+    if head_dim not in (64, 128):
+        return
+
+    # The same queries through the tiled kernel: tiles of consecutive queries of one
+    # sequence at consecutive positions, at most 16 / min(group, 16) tokens each.
+    tiles_kernel = kernel("attention.cu", "paged_attention_tiles_f16", "pppppppppiiiiiif")
+    gh = min(group, 16)
+    tq, parts = 16 // gh, -(-group // gh)
+    firsts = []
+    for t in range(nt):
+        run = t - firsts[-1] if firsts else tq
+        same = t > 0 and token_seq[t] == token_seq[t - 1] and token_pos[t] == token_pos[t - 1] + 1
+        if not same or run >= tq:
+            firsts.append(t)
+    tile_first = np.array(firsts, np.int32)
+    out_t = np.full(out.shape, np.nan, np.float32)
+    tiles_kernel(len(firsts) * num_kv_heads * parts, 128, q, k_cache, v_cache, out_t,
+                 block_tables, table_start, token_pos, token_seq, tile_first, len(firsts), nt,
+                 num_heads, num_kv_heads, head_dim, block_size, np.float32(scale))
+    live = token_pos >= 0
+    err = float(np.max(np.abs(out_t[live] - want[live])))
+    ok = (err < 2e-5 * max(1.0, qscale) and np.isfinite(out_t[live]).all()
+          and np.isnan(out_t[~live]).all())
+    c.true(f"paged_attention_tiles_f16 {what} queries={nt} tiles={len(firsts)} "
+           f"qscale={qscale}", ok, f"err {err:.3g}")
 
 
 def main():
@@ -95,6 +122,15 @@ def main():
     run_case(c, rng, 64, 1, 1, 16, 4, [10], [(0, 9), (0, -1)])
     run_case(c, rng, 128, 4, 1, 16, 8, [1000], [(0, 999), (0, 500)], qscale=30.0)
     run_case(c, rng, 64, 2, 1, 32, 4, [600], [(0, 599)], qscale=100.0)
+    # Prefills and extends: runs of consecutive positions, several sequences, group sizes
+    # 1..20 (parts of a group of more than 16 heads), tiles cut short where a run ends.
+    run_case(c, rng, 128, 8, 2, 16, 4, [70, 45],
+             [(0, p) for p in range(70)] + [(1, p) for p in range(37, 45)])
+    run_case(c, rng, 64, 14, 2, 16, 4, [100, 20, 9],
+             [(0, p) for p in range(60, 100)] + [(1, p) for p in range(20)] + [(2, 8)])
+    run_case(c, rng, 64, 3, 3, 5, 4, [50], [(0, p) for p in range(50)])
+    run_case(c, rng, 128, 20, 1, 16, 4, [40], [(0, p) for p in range(33, 40)] + [(0, -1)])
+    run_case(c, rng, 64, 7, 1, 32, 4, [300], [(0, p) for p in range(250, 300)], qscale=30.0)
     c.finish()
 
 

@@ -262,3 +262,208 @@ extern "C" __global__ void paged_attention_f16(const float* q, const unsigned sh
     }
 #undef PA_CALL
 }
+
+// ---------------------------------------------------------------------------------------
+// paged_attention_tiles_f16: prefills and extends
+// ---------------------------------------------------------------------------------------
+// One CTA per (tile, KV head, part of the group): its PT_ROWS query rows are the heads of one
+// GQA group (or PT_ROWS of them: a group of more heads is cut into parts) for up to
+// PT_ROWS / heads consecutive tokens of one sequence, so every K and V row the CTA stages in
+// shared memory (f16 -> f32, PT_POS positions at a time) serves all of them, where
+// paged_attention_f16 has each (token, head) read its whole context alone. Warp w owns rows
+// 4w .. 4w + 3 throughout: in the scores lane l takes position base + l for the four rows
+// (a float4 of K against four broadcast float4s of q a step), the warp keeps the rows'
+// online-softmax state, and in the weighted sums lane l owns output dims l * VEC .. + VEC of
+// the four rows.
+#define PT_ROWS 16
+#define PT_POS 32
+#define PT_THREADS 128
+#define PT_MAX_HEAD_DIM 128
+
+template <int HD>
+__device__ __forceinline__ void paged_attention_tiles_body(
+    const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
+    const unsigned short* __restrict__ v_cache, float* __restrict__ out,
+    const int* __restrict__ block_tables, const int* __restrict__ table_start,
+    const int* __restrict__ token_pos, const int* __restrict__ token_seq, int first, int kvh,
+    int part, int tokens, int num_heads, int num_kv_heads, int block_size, float scale,
+    float* q_s, float* k_s, float* v_s, float (*p_s)[PT_POS]) {
+    constexpr int VEC = HD / 32;  // output dims per lane
+    constexpr int KS = HD + 4;    // K row stride in shared memory: conflict-free float4 reads
+    constexpr int RW = PT_ROWS / (PT_THREADS / 32);  // rows per warp
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int group = num_heads / num_kv_heads;
+    const int gh = min(group, PT_ROWS);
+    const int tq = PT_ROWS / gh;
+    const int seq = token_seq[first];
+    int count = 0;  // the tile's tokens: consecutive, of one sequence
+    int n_end = 0;  // positions 0 .. n_end - 1 are attended by some row
+    while (count < tq && first + count < tokens && token_seq[first + count] == seq) {
+        n_end = max(n_end, token_pos[first + count] + 1);
+        count++;
+    }
+    const int* table = block_tables + table_start[seq];
+
+    // Row r: token first + r / gh, head kvh * group + part * gh + r % gh; its position, or
+    // -1 where the row is not there (then every score is masked and nothing is written).
+    auto row_pos = [&](int r) {
+        const int tl = r / gh, hg = part * gh + r % gh;
+        return (tl < count && hg < group) ? token_pos[first + tl] : -1;
+    };
+    auto row_off = [&](int r) {
+        const int hg = part * gh + r % gh;
+        return ((long long)(first + r / gh) * num_heads + kvh * group + hg) * HD;
+    };
+    for (int i = threadIdx.x; i < PT_ROWS * HD; i += PT_THREADS) {
+        const int r = i / HD;
+        q_s[i] = row_pos(r) >= 0 ? q[row_off(r) + (i - r * HD)] : 0.0f;
+    }
+    int pos_r[RW];
+    float m[RW], l[RW], acc[RW][VEC];
+#pragma unroll
+    for (int i = 0; i < RW; i++) {
+        pos_r[i] = row_pos(warp * RW + i);
+        m[i] = neg_inf_f32();
+        l[i] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; e++) acc[i][e] = 0.0f;
+    }
+
+    for (int base = 0; base < n_end; base += PT_POS) {
+        __syncthreads();  // the previous tile's reads are done (and q_s is written)
+        for (int i = threadIdx.x; i < PT_POS * (HD / 8); i += PT_THREADS) {
+            const int p = i / (HD / 8);
+            const int c = (i - p * (HD / 8)) * 8;
+            const int pos = base + p;
+            float kf[8], vf[8];
+            if (pos < n_end) {
+                const int blk = table[pos / block_size];
+                const int slot = pos - (pos / block_size) * block_size;
+                const long long row =
+                    (((long long)blk * num_kv_heads + kvh) * block_size + slot) * HD + c;
+                load_half_vec<8>(k_cache + row, kf);
+                load_half_vec<8>(v_cache + row, vf);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; e++) kf[e] = vf[e] = 0.0f;
+            }
+            float* kd = k_s + p * KS + c;
+            float* vd = v_s + p * HD + c;
+            *(float4*)kd = make_float4(kf[0], kf[1], kf[2], kf[3]);
+            *(float4*)(kd + 4) = make_float4(kf[4], kf[5], kf[6], kf[7]);
+            *(float4*)vd = make_float4(vf[0], vf[1], vf[2], vf[3]);
+            *(float4*)(vd + 4) = make_float4(vf[4], vf[5], vf[6], vf[7]);
+        }
+        __syncthreads();
+
+        // Scores of position base + lane for the warp's rows.
+        float s[RW];
+#pragma unroll
+        for (int i = 0; i < RW; i++) s[i] = 0.0f;
+        const float* kr = k_s + lane * KS;
+#pragma unroll 8
+        for (int d = 0; d < HD; d += 4) {
+            const float4 k4 = *(const float4*)(kr + d);
+#pragma unroll
+            for (int i = 0; i < RW; i++) {
+                const float4 q4 = *(const float4*)(q_s + (warp * RW + i) * HD + d);
+                s[i] = fmaf(q4.x, k4.x, s[i]);
+                s[i] = fmaf(q4.y, k4.y, s[i]);
+                s[i] = fmaf(q4.z, k4.z, s[i]);
+                s[i] = fmaf(q4.w, k4.w, s[i]);
+            }
+        }
+        const int pos = base + lane;
+#pragma unroll
+        for (int i = 0; i < RW; i++) {
+            const bool masked = pos > pos_r[i];
+            const float sc = masked ? neg_inf_f32() : s[i] * scale;
+            const float m_new = fmaxf(m[i], warp_max(sc));
+            float corr = 1.0f, p = 0.0f;
+            if (m_new != neg_inf_f32()) {  // warp-uniform
+                corr = expf(m[i] - m_new);  // 0 on the row's first scores (m = -inf)
+                p = masked ? 0.0f : expf(sc - m_new);
+            }
+            l[i] = fmaf(l[i], corr, p);
+            m[i] = m_new;
+            p_s[warp * RW + i][lane] = p;
+#pragma unroll
+            for (int e = 0; e < VEC; e++) acc[i][e] *= corr;
+        }
+        __syncthreads();  // the warp's weights are in p_s
+
+        // Weighted V rows of the tile's positions.
+        const int cnt = min(PT_POS, n_end - base);
+        for (int j = 0; j < cnt; j++) {
+            float vv[VEC];
+            const float* vr = v_s + j * HD + lane * VEC;
+            if constexpr (VEC == 4) {
+                const float4 v4 = *(const float4*)vr;
+                vv[0] = v4.x; vv[1] = v4.y; vv[2] = v4.z; vv[3] = v4.w;
+            } else {
+                const float2 v2 = *(const float2*)vr;
+                vv[0] = v2.x; vv[1] = v2.y;
+            }
+#pragma unroll
+            for (int i = 0; i < RW; i++) {
+                const float w = p_s[warp * RW + i][j];
+#pragma unroll
+                for (int e = 0; e < VEC; e++) acc[i][e] = fmaf(w, vv[e], acc[i][e]);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < RW; i++) {
+        const float total = warp_sum(l[i]);
+        const int r = warp * RW + i;
+        if (pos_r[i] >= 0) {
+            float* o = out + row_off(r) + lane * VEC;
+#pragma unroll
+            for (int e = 0; e < VEC; e++) o[e] = acc[i][e] / total;
+        }
+    }
+}
+
+// paged_attention_tiles_f16
+// Launch: grid = (tiles * num_kv_heads * parts, 1, 1) with parts = ceil(group / min(group,
+//         PT_ROWS)), group = num_heads / num_kv_heads, and blockIdx.x = (tile * num_kv_heads
+//         + kv head) * parts + part; block = (PT_THREADS, 1, 1); dynamic shared memory = 0
+//         (about 43 KB static).
+// Requirements: head_dim 64 or 128 (a CTA over another writes nothing), num_heads %
+//   num_kv_heads == 0, block_size >= 1, caches 16-byte aligned. tile_first[i] is the first
+//   token of tile i: tiles cover the tokens, each at most PT_ROWS / min(group, PT_ROWS)
+//   consecutive tokens of one sequence (the tile ends early where its sequence does).
+// Inputs and result as paged_attention_f16's, whose launch it replaces when tokens come in
+//   runs (a prefill, an extend); a token with token_pos[t] < 0 is left unwritten.
+extern "C" __global__ void paged_attention_tiles_f16(
+    const float* q, const unsigned short* k_cache, const unsigned short* v_cache, float* out,
+    const int* block_tables, const int* table_start, const int* token_pos, const int* token_seq,
+    const int* tile_first, int tiles, int tokens, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, float scale) {
+    __shared__ __align__(16) float q_s[PT_ROWS * PT_MAX_HEAD_DIM];
+    __shared__ __align__(16) float k_s[PT_POS * (PT_MAX_HEAD_DIM + 4)];
+    __shared__ __align__(16) float v_s[PT_POS * PT_MAX_HEAD_DIM];
+    __shared__ float p_s[PT_ROWS][PT_POS];
+    if (blockDim.x != PT_THREADS || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
+        num_heads <= 0 || block_size <= 0) {
+        return;  // uniform over the CTA
+    }
+    const int group = num_heads / num_kv_heads;
+    const int parts = (group + PT_ROWS - 1) / PT_ROWS;
+    if ((int)blockIdx.x >= tiles * num_kv_heads * parts) return;
+    const int part = blockIdx.x % parts;
+    const int kvh = (blockIdx.x / parts) % num_kv_heads;
+    const int first = tile_first[blockIdx.x / parts / num_kv_heads];
+#define PT_CALL(HD)                                                                           \
+    paged_attention_tiles_body<HD>(q, k_cache, v_cache, out, block_tables, table_start,        \
+                                   token_pos, token_seq, first, kvh, part, tokens, num_heads, \
+                                   num_kv_heads, block_size, scale, q_s, k_s, v_s, p_s)
+    if (head_dim == 64) {
+        PT_CALL(64);
+    } else if (head_dim == 128) {
+        PT_CALL(128);
+    }
+#undef PT_CALL
+}

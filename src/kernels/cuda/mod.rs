@@ -201,7 +201,14 @@ pub fn kernels() -> Vec<(&'static str, Vec<String>)> {
                 "gather_rows",
             ]),
         ),
-        ("attention", names(&["kv_write_f16", "paged_attention_f16"])),
+        (
+            "attention",
+            names(&[
+                "kv_write_f16",
+                "paged_attention_f16",
+                "paged_attention_tiles_f16",
+            ]),
+        ),
         ("sampling", names(&["row_softmax_stats"])),
     ]
 }

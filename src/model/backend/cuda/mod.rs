@@ -10,6 +10,7 @@
 
 mod device;
 mod linear;
+mod step;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -27,6 +28,8 @@ use crate::model::error::{ModelError, Result};
 use crate::model::kv_cache::{DeviceKv, KvCache, KvStore};
 use crate::model::weights::Weight;
 pub use linear::{DeviceMatrix, Format, MAX_MATVEC_BATCH};
+pub use step::Step;
+use step::{TILE_ROWS, TILE_THREADS};
 
 /// One GPU, the stream a model computes on, and the kernels compiled for it.
 pub struct Cuda {
@@ -68,21 +71,6 @@ pub struct DeviceNorm {
     weight: CudaSlice<f32>,
     len: usize,
     eps: f32,
-}
-
-/// One forward pass's positions and block tables on the device.
-pub struct Step<'a> {
-    positions: CudaSlice<u32>,
-    inv_freq: CudaSlice<f32>,
-    neox: bool,
-    token_block: CudaSlice<i32>,
-    token_slot: CudaSlice<i32>,
-    token_pos: CudaSlice<i32>,
-    token_seq: CudaSlice<i32>,
-    block_tables: CudaSlice<i32>,
-    table_start: CudaSlice<i32>,
-    tokens: usize,
-    _batch: std::marker::PhantomData<&'a ()>,
 }
 
 /// A driver or launch failure, as a model error.
@@ -281,38 +269,13 @@ impl Backend for Cuda {
 
     fn begin_step<'a>(
         &self,
-        _config: &ModelConfig,
+        config: &ModelConfig,
         batch: &'a [SeqInput<'a>],
         block_size: usize,
         inv_freq: &[f32],
         style: RopeStyle,
     ) -> Result<Step<'a>> {
-        let mut positions = Vec::new();
-        let mut token_seq = Vec::new();
-        let mut tables = Vec::new();
-        let mut table_start = Vec::with_capacity(batch.len());
-        for (i, s) in batch.iter().enumerate() {
-            table_start.push(tables.len() as i32);
-            tables.extend(s.blocks.iter().map(|&b| b as i32));
-            for p in s.start_pos..s.start_pos + s.tokens.len() {
-                positions.push(p as u32);
-                token_seq.push(i as i32);
-            }
-        }
-        let token_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        Ok(Step {
-            tokens: positions.len(),
-            positions: self.upload(&positions)?,
-            inv_freq: self.upload(inv_freq)?,
-            neox: style == RopeStyle::Neox,
-            token_block: self.upload(&slots(batch, block_size, |b, _| b))?,
-            token_slot: self.upload(&slots(batch, block_size, |_, s| s))?,
-            token_pos: self.upload(&token_pos)?,
-            token_seq: self.upload(&token_seq)?,
-            block_tables: self.upload(&tables)?,
-            table_start: self.upload(&table_start)?,
-            _batch: std::marker::PhantomData,
-        })
+        self.step_for(config, batch, block_size, inv_freq, style)
     }
 
     fn embed(&self, e: &DeviceMatrix, _head: &DeviceLinear, ids: &[u32]) -> Result<DeviceRows> {
@@ -517,6 +480,38 @@ impl Backend for Cuda {
             kv.head_dim as i32,
             kv.block_size as i32,
         );
+        if let Some((tile_first, tiles)) = &step.attention_tiles {
+            let group = heads / kv.num_kv_heads;
+            let parts = group.div_ceil(TILE_ROWS);
+            let cfg = LaunchConfig {
+                grid_dim: ((tiles * kv.num_kv_heads * parts) as u32, 1, 1),
+                block_dim: (TILE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let n_tiles = *tiles as i32;
+            launch!(
+                self,
+                "paged_attention_tiles_f16",
+                cfg,
+                &q.buf,
+                &kv.k[layer],
+                &kv.v[layer],
+                &mut out.buf,
+                &step.block_tables,
+                &step.table_start,
+                &step.token_pos,
+                &step.token_seq,
+                tile_first,
+                &n_tiles,
+                &tokens,
+                &heads_i,
+                &kvh,
+                &hd,
+                &bs,
+                &scale
+            )?;
+            return Ok(out);
+        }
         // Decode (few CTAs, long contexts) splits each position range over more warps.
         let threads = if step.tokens * heads < 512 { 256 } else { 128 };
         let cfg = LaunchConfig {
@@ -571,15 +566,4 @@ impl Backend for Cuda {
         v.truncate(x.rows * x.width);
         Ok(v)
     }
-}
-
-/// Per new token of the batch, `f(block, slot)` of its position in blocks of `block_size`.
-fn slots(batch: &[SeqInput], block_size: usize, f: impl Fn(i32, i32) -> i32) -> Vec<i32> {
-    let mut out = Vec::new();
-    for s in batch {
-        for p in s.start_pos..s.start_pos + s.tokens.len() {
-            out.push(f(s.blocks[p / block_size] as i32, (p % block_size) as i32));
-        }
-    }
-    out
 }

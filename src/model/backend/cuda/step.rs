@@ -1,0 +1,137 @@
+//! One forward pass's positions, block tables and attention tiles on the device.
+
+use cudarc::driver::CudaSlice;
+
+use super::Cuda;
+use crate::model::batch::SeqInput;
+use crate::model::config::{ModelConfig, RopeStyle};
+use crate::model::error::Result;
+
+/// One forward pass's positions and block tables on the device.
+pub struct Step<'a> {
+    pub(super) positions: CudaSlice<u32>,
+    pub(super) inv_freq: CudaSlice<f32>,
+    pub(super) neox: bool,
+    pub(super) token_block: CudaSlice<i32>,
+    pub(super) token_slot: CudaSlice<i32>,
+    pub(super) token_pos: CudaSlice<i32>,
+    pub(super) token_seq: CudaSlice<i32>,
+    pub(super) block_tables: CudaSlice<i32>,
+    pub(super) table_start: CudaSlice<i32>,
+    /// The first token of each tile of `paged_attention_tiles_f16`, and their count, when
+    /// the step attends with it ([`attention_tiles`]).
+    pub(super) attention_tiles: Option<(CudaSlice<i32>, usize)>,
+    pub(super) tokens: usize,
+    _batch: std::marker::PhantomData<&'a ()>,
+}
+
+impl Cuda {
+    /// The step over `batch`: each new token's position, sequence and cache slot, the
+    /// sequences' block tables and, for a prefill or an extend, the attention tiles.
+    pub(super) fn step_for<'a>(
+        &self,
+        config: &ModelConfig,
+        batch: &'a [SeqInput<'a>],
+        block_size: usize,
+        inv_freq: &[f32],
+        style: RopeStyle,
+    ) -> Result<Step<'a>> {
+        let mut positions = Vec::new();
+        let mut token_seq = Vec::new();
+        let mut tables = Vec::new();
+        let mut table_start = Vec::with_capacity(batch.len());
+        for (i, s) in batch.iter().enumerate() {
+            table_start.push(tables.len() as i32);
+            tables.extend(s.blocks.iter().map(|&b| b as i32));
+            for p in s.start_pos..s.start_pos + s.tokens.len() {
+                positions.push(p as u32);
+                token_seq.push(i as i32);
+            }
+        }
+        let token_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let lens: Vec<usize> = batch.iter().map(|s| s.tokens.len()).collect();
+        let group = config.num_heads / config.num_kv_heads.max(1);
+        let attention_tiles = match attention_tiles(config.head_dim, group, &lens) {
+            Some(firsts) => Some((self.upload(&firsts)?, firsts.len())),
+            None => None,
+        };
+        Ok(Step {
+            tokens: positions.len(),
+            positions: self.upload(&positions)?,
+            inv_freq: self.upload(inv_freq)?,
+            neox: style == RopeStyle::Neox,
+            token_block: self.upload(&slots(batch, block_size, |b, _| b))?,
+            token_slot: self.upload(&slots(batch, block_size, |_, s| s))?,
+            token_pos: self.upload(&token_pos)?,
+            token_seq: self.upload(&token_seq)?,
+            block_tables: self.upload(&tables)?,
+            table_start: self.upload(&table_start)?,
+            attention_tiles,
+            _batch: std::marker::PhantomData,
+        })
+    }
+}
+
+/// Query rows of a `paged_attention_tiles_f16` CTA (`PT_ROWS`), and its threads
+/// (`PT_THREADS`).
+pub(super) const TILE_ROWS: usize = 16;
+pub(super) const TILE_THREADS: u32 = 128;
+
+/// The first token of each tile of `paged_attention_tiles_f16` over a batch whose sequences
+/// have `lens` new tokens each, in order: every sequence's new tokens cut into runs of
+/// `TILE_ROWS / min(group, TILE_ROWS)` (`group` query heads a KV head), where a sequence has
+/// more than one new token (a prefill or an extend: each K/V row the kernel stages then serves
+/// several tokens) and the kernel takes `head_dim`; `None` otherwise (decode steps keep
+/// `paged_attention_f16`, which splits long contexts over warps).
+fn attention_tiles(head_dim: usize, group: usize, lens: &[usize]) -> Option<Vec<i32>> {
+    if !lens.iter().any(|&n| n > 1) || !matches!(head_dim, 64 | 128) || group == 0 {
+        return None;
+    }
+    let per_tile = TILE_ROWS / group.min(TILE_ROWS);
+    let mut first = 0;
+    let mut firsts = Vec::new();
+    for &n in lens {
+        firsts.extend((0..n).step_by(per_tile).map(|t| (first + t) as i32));
+        first += n;
+    }
+    Some(firsts)
+}
+
+/// Per new token of the batch, `f(block, slot)` of its position in blocks of `block_size`.
+fn slots(batch: &[SeqInput], block_size: usize, f: impl Fn(i32, i32) -> i32) -> Vec<i32> {
+    let mut out = Vec::new();
+    for s in batch {
+        for p in s.start_pos..s.start_pos + s.tokens.len() {
+            out.push(f(s.blocks[p / block_size] as i32, (p % block_size) as i32));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_tiles_cut_each_sequence_into_runs() {
+        // Four query heads a KV head: four tokens a tile; the second sequence's run ends
+        // early, the third (a decode) is a tile of its own.
+        assert_eq!(
+            attention_tiles(128, 4, &[10, 3, 1]),
+            Some(vec![0, 4, 8, 10, 13])
+        );
+        // Seven heads: two tokens a tile (14 rows); twenty: one token, in two parts.
+        assert_eq!(attention_tiles(64, 7, &[5]), Some(vec![0, 2, 4]));
+        assert_eq!(attention_tiles(64, 20, &[2, 2]), Some(vec![0, 1, 2, 3]));
+        // One head a KV head: sixteen tokens a tile.
+        assert_eq!(attention_tiles(64, 1, &[40]), Some(vec![0, 16, 32]));
+    }
+
+    #[test]
+    fn decode_steps_and_other_head_sizes_keep_the_per_token_kernel() {
+        assert_eq!(attention_tiles(128, 4, &[1, 1, 1]), None);
+        assert_eq!(attention_tiles(96, 4, &[10]), None);
+        assert_eq!(attention_tiles(256, 2, &[10]), None);
+        assert_eq!(attention_tiles(128, 4, &[]), None);
+    }
+}
