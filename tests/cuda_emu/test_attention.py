@@ -84,8 +84,10 @@ def run_case(c, rng, head_dim, num_heads, num_kv_heads, block_size, warps, seq_l
         return
 
     # The same queries through the tiled kernel: tiles of consecutive queries of one
-    # sequence at consecutive positions, at most 16 / min(group, 16) tokens each.
-    tiles_kernel = kernel("attention.cu", "paged_attention_tiles_f16", "pppppppppiiiiiif")
+    # sequence at consecutive positions, at most 16 / min(group, 16) tokens each; the whole
+    # context in one CTA, then split into runs of 32 and 64 positions merged after.
+    tiles_kernel = kernel("attention.cu", "paged_attention_tiles_f16", "ppppppppppiiiiiiiif")
+    merge = kernel("attention.cu", "attention_merge", "ppiii")
     gh = min(group, 16)
     tq, parts = 16 // gh, -(-group // gh)
     firsts = []
@@ -95,16 +97,23 @@ def run_case(c, rng, head_dim, num_heads, num_kv_heads, block_size, warps, seq_l
         if not same or run >= tq:
             firsts.append(t)
     tile_first = np.array(firsts, np.int32)
-    out_t = np.full(out.shape, np.nan, np.float32)
-    tiles_kernel(len(firsts) * num_kv_heads * parts, 128, q, k_cache, v_cache, out_t,
-                 block_tables, table_start, token_pos, token_seq, tile_first, len(firsts), nt,
-                 num_heads, num_kv_heads, head_dim, block_size, np.float32(scale))
-    live = token_pos >= 0
-    err = float(np.max(np.abs(out_t[live] - want[live])))
-    ok = (err < 2e-5 * max(1.0, qscale) and np.isfinite(out_t[live]).all()
-          and np.isnan(out_t[~live]).all())
-    c.true(f"paged_attention_tiles_f16 {what} queries={nt} tiles={len(firsts)} "
-           f"qscale={qscale}", ok, f"err {err:.3g}")
+    longest = int(token_pos.max()) + 1
+    for split_len in (0, 32, 64):
+        splits = 1 if split_len == 0 else max(1, -(-longest // split_len))
+        out_t = np.full(out.shape, np.nan, np.float32)
+        part = np.full((nt * num_heads, splits, head_dim + 2), np.nan, np.float32)
+        tiles_kernel(len(firsts) * num_kv_heads * parts * splits, 128, q, k_cache, v_cache,
+                     out_t, part, block_tables, table_start, token_pos, token_seq, tile_first,
+                     len(firsts), splits, split_len, nt, num_heads, num_kv_heads, head_dim,
+                     block_size, np.float32(scale))
+        if splits > 1:
+            c.true(f"paged_attention_tiles_f16 splits leave out alone {what}",
+                   np.isnan(out_t).all() and not np.isnan(part).any())
+            merge(nt * num_heads, 128, part, out_t, nt * num_heads, splits, head_dim)
+        err = float(np.max(np.abs(out_t - want)))
+        ok = err < 2e-5 * max(1.0, qscale) and np.isfinite(out_t).all()
+        c.true(f"paged_attention_tiles_f16 {what} queries={nt} tiles={len(firsts)} "
+               f"splits={splits} qscale={qscale}", ok, f"err {err:.3g}")
 
 
 def main():

@@ -264,30 +264,39 @@ extern "C" __global__ void paged_attention_f16(const float* q, const unsigned sh
 }
 
 // ---------------------------------------------------------------------------------------
-// paged_attention_tiles_f16: prefills and extends
+// paged_attention_tiles_f16, attention_merge
 // ---------------------------------------------------------------------------------------
-// One CTA per (tile, KV head, part of the group): its PT_ROWS query rows are the heads of one
-// GQA group (or PT_ROWS of them: a group of more heads is cut into parts) for up to
-// PT_ROWS / heads consecutive tokens of one sequence, so every K and V row the CTA stages in
-// shared memory (f16 -> f32, PT_POS positions at a time) serves all of them, where
-// paged_attention_f16 has each (token, head) read its whole context alone. Warp w owns rows
-// 4w .. 4w + 3 throughout: in the scores lane l takes position base + l for the four rows
-// (a float4 of K against four broadcast float4s of q a step), the warp keeps the rows'
-// online-softmax state, and in the weighted sums lane l owns output dims l * VEC .. + VEC of
-// the four rows.
+// One CTA per (tile, KV head, part of the group, split of the context): its PT_ROWS query rows
+// are the heads of one GQA group (or PT_ROWS of them: a group of more heads is cut into parts)
+// for up to PT_ROWS / heads consecutive tokens of one sequence, so every K and V row the CTA
+// stages in shared memory (f16 -> f32, PT_POS positions at a time) serves all of them, where
+// paged_attention_f16 has each (token, head) read its whole context alone. Where the tiles
+// alone are too few CTAs for the device (a decode step, an extend over long contexts), each
+// takes one split of the context and leaves its softmax state for attention_merge. Warp w
+// owns rows 4w .. 4w + 3 throughout: in the scores lane l takes position base + l for the
+// four rows (a float4 of K against four broadcast float4s of q a step), the warp keeps the
+// rows' online-softmax state, and in the weighted sums lane l owns output dims
+// l * VEC .. + VEC of the four rows.
 #define PT_ROWS 16
 #define PT_POS 32
 #define PT_THREADS 128
 #define PT_MAX_HEAD_DIM 128
 
+// Where a tile CTA works: its tile's first token, KV head, part of the group, and split of
+// the context (positions split * split_len .. + split_len; split_len = 0: all of them).
+struct TileSpan {
+    int first, kvh, part, split, splits, split_len;
+};
+
 template <int HD>
 __device__ __forceinline__ void paged_attention_tiles_body(
     const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
     const unsigned short* __restrict__ v_cache, float* __restrict__ out,
-    const int* __restrict__ block_tables, const int* __restrict__ table_start,
-    const int* __restrict__ token_pos, const int* __restrict__ token_seq, int first, int kvh,
-    int part, int tokens, int num_heads, int num_kv_heads, int block_size, float scale,
-    float* q_s, float* k_s, float* v_s, float (*p_s)[PT_POS]) {
+    float* __restrict__ part_out, const int* __restrict__ block_tables,
+    const int* __restrict__ table_start, const int* __restrict__ token_pos,
+    const int* __restrict__ token_seq, TileSpan span, int tokens, int num_heads,
+    int num_kv_heads, int block_size, float scale, float* q_s, float* k_s, float* v_s,
+    float (*p_s)[PT_POS]) {
     constexpr int VEC = HD / 32;  // output dims per lane
     constexpr int KS = HD + 4;    // K row stride in shared memory: conflict-free float4 reads
     constexpr int RW = PT_ROWS / (PT_THREADS / 32);  // rows per warp
@@ -296,6 +305,7 @@ __device__ __forceinline__ void paged_attention_tiles_body(
     const int group = num_heads / num_kv_heads;
     const int gh = min(group, PT_ROWS);
     const int tq = PT_ROWS / gh;
+    const int first = span.first, kvh = span.kvh;
     const int seq = token_seq[first];
     int count = 0;  // the tile's tokens: consecutive, of one sequence
     int n_end = 0;  // positions 0 .. n_end - 1 are attended by some row
@@ -303,41 +313,41 @@ __device__ __forceinline__ void paged_attention_tiles_body(
         n_end = max(n_end, token_pos[first + count] + 1);
         count++;
     }
+    // This CTA's positions: lo .. hi - 1.
+    const int lo = span.split_len > 0 ? min(n_end, span.split * span.split_len) : 0;
+    const int hi = span.split_len > 0 ? min(n_end, lo + span.split_len) : n_end;
     const int* table = block_tables + table_start[seq];
 
-    // Row r: token first + r / gh, head kvh * group + part * gh + r % gh; its position, or
-    // -1 where the row is not there (then every score is masked and nothing is written).
-    auto row_pos = [&](int r) {
-        const int tl = r / gh, hg = part * gh + r % gh;
-        return (tl < count && hg < group) ? token_pos[first + tl] : -1;
-    };
-    auto row_off = [&](int r) {
-        const int hg = part * gh + r % gh;
-        return ((long long)(first + r / gh) * num_heads + kvh * group + hg) * HD;
+    // Row r: token first + r / gh, head kvh * group + part * gh + r % gh, when both are there.
+    auto row_exists = [&](int r) { return r / gh < count && span.part * gh + r % gh < group; };
+    auto row_index = [&](int r) {  // (token, head) of the row
+        return (long long)(first + r / gh) * num_heads + kvh * group + span.part * gh + r % gh;
     };
     for (int i = threadIdx.x; i < PT_ROWS * HD; i += PT_THREADS) {
         const int r = i / HD;
-        q_s[i] = row_pos(r) >= 0 ? q[row_off(r) + (i - r * HD)] : 0.0f;
+        q_s[i] = row_exists(r) ? q[row_index(r) * HD + (i - r * HD)] : 0.0f;
     }
+    // Each row's position (-1 where the row is not there: every score masked).
     int pos_r[RW];
     float m[RW], l[RW], acc[RW][VEC];
 #pragma unroll
     for (int i = 0; i < RW; i++) {
-        pos_r[i] = row_pos(warp * RW + i);
+        const int r = warp * RW + i;
+        pos_r[i] = row_exists(r) ? token_pos[first + r / gh] : -1;
         m[i] = neg_inf_f32();
         l[i] = 0.0f;
 #pragma unroll
         for (int e = 0; e < VEC; e++) acc[i][e] = 0.0f;
     }
 
-    for (int base = 0; base < n_end; base += PT_POS) {
+    for (int base = lo; base < hi; base += PT_POS) {
         __syncthreads();  // the previous tile's reads are done (and q_s is written)
         for (int i = threadIdx.x; i < PT_POS * (HD / 8); i += PT_THREADS) {
             const int p = i / (HD / 8);
             const int c = (i - p * (HD / 8)) * 8;
             const int pos = base + p;
             float kf[8], vf[8];
-            if (pos < n_end) {
+            if (pos < hi) {
                 const int blk = table[pos / block_size];
                 const int slot = pos - (pos / block_size) * block_size;
                 const long long row =
@@ -377,7 +387,7 @@ __device__ __forceinline__ void paged_attention_tiles_body(
         const int pos = base + lane;
 #pragma unroll
         for (int i = 0; i < RW; i++) {
-            const bool masked = pos > pos_r[i];
+            const bool masked = pos >= hi || pos > pos_r[i];
             const float sc = masked ? neg_inf_f32() : s[i] * scale;
             const float m_new = fmaxf(m[i], warp_max(sc));
             float corr = 1.0f, p = 0.0f;
@@ -394,7 +404,7 @@ __device__ __forceinline__ void paged_attention_tiles_body(
         __syncthreads();  // the warp's weights are in p_s
 
         // Weighted V rows of the tile's positions.
-        const int cnt = min(PT_POS, n_end - base);
+        const int cnt = min(PT_POS, hi - base);
         for (int j = 0; j < cnt; j++) {
             float vv[VEC];
             const float* vr = v_s + j * HD + lane * VEC;
@@ -418,47 +428,70 @@ __device__ __forceinline__ void paged_attention_tiles_body(
     for (int i = 0; i < RW; i++) {
         const float total = warp_sum(l[i]);
         const int r = warp * RW + i;
-        if (pos_r[i] >= 0) {
-            float* o = out + row_off(r) + lane * VEC;
+        if (!row_exists(r)) continue;  // warp-uniform
+        if (span.splits == 1) {
+            // A row without positions (a padding token) gets zeros.
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            float* o = out + row_index(r) * HD + lane * VEC;
 #pragma unroll
-            for (int e = 0; e < VEC; e++) o[e] = acc[i][e] / total;
+            for (int e = 0; e < VEC; e++) o[e] = acc[i][e] * inv;
+        } else {
+            float* o = part_out + (row_index(r) * span.splits + span.split) * (HD + 2);
+#pragma unroll
+            for (int e = 0; e < VEC; e++) o[lane * VEC + e] = acc[i][e];
+            if (lane == 0) {
+                o[HD] = m[i];
+                o[HD + 1] = total;
+            }
         }
     }
 }
 
 // paged_attention_tiles_f16
-// Launch: grid = (tiles * num_kv_heads * parts, 1, 1) with parts = ceil(group / min(group,
-//         PT_ROWS)), group = num_heads / num_kv_heads, and blockIdx.x = (tile * num_kv_heads
-//         + kv head) * parts + part; block = (PT_THREADS, 1, 1); dynamic shared memory = 0
-//         (about 43 KB static).
+// Launch: grid = (tiles * num_kv_heads * parts * splits, 1, 1) with parts = ceil(group /
+//         PT_ROWS), group = num_heads / num_kv_heads, and blockIdx.x = ((tile * num_kv_heads
+//         + kv head) * parts + part) * splits + split; block = (PT_THREADS, 1, 1); dynamic
+//         shared memory = 0 (about 43 KB static).
 // Requirements: head_dim 64 or 128 (a CTA over another writes nothing), num_heads %
 //   num_kv_heads == 0, block_size >= 1, caches 16-byte aligned. tile_first[i] is the first
 //   token of tile i: tiles cover the tokens, each at most PT_ROWS / min(group, PT_ROWS)
 //   consecutive tokens of one sequence (the tile ends early where its sequence does).
-// Inputs and result as paged_attention_f16's, whose launch it replaces when tokens come in
-//   runs (a prefill, an extend); a token with token_pos[t] < 0 is left unwritten.
+//   splits >= 1; with splits > 1, split_len > 0 is a multiple of PT_POS with splits *
+//   split_len >= every token's position + 1.
+// Inputs as paged_attention_f16's. With splits == 1 the result is its too (a token with
+//   token_pos[t] < 0 gets zeros). With splits > 1, split k of row (t, h) leaves in
+//   part[((t * num_heads + h) * splits + k) * (head_dim + 2) ..]: head_dim unnormalised
+//   sums of exp(score - m) * V over its positions, then m (their largest score; -inf for
+//   none), then the sum of exp(score - m); attention_merge makes out of them.
 extern "C" __global__ void paged_attention_tiles_f16(
     const float* q, const unsigned short* k_cache, const unsigned short* v_cache, float* out,
-    const int* block_tables, const int* table_start, const int* token_pos, const int* token_seq,
-    const int* tile_first, int tiles, int tokens, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, float scale) {
+    float* part, const int* block_tables, const int* table_start, const int* token_pos,
+    const int* token_seq, const int* tile_first, int tiles, int splits, int split_len,
+    int tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
     __shared__ __align__(16) float q_s[PT_ROWS * PT_MAX_HEAD_DIM];
     __shared__ __align__(16) float k_s[PT_POS * (PT_MAX_HEAD_DIM + 4)];
     __shared__ __align__(16) float v_s[PT_POS * PT_MAX_HEAD_DIM];
     __shared__ float p_s[PT_ROWS][PT_POS];
     if (blockDim.x != PT_THREADS || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
-        num_heads <= 0 || block_size <= 0) {
+        num_heads <= 0 || block_size <= 0 || splits < 1 || (splits > 1 && split_len <= 0)) {
         return;  // uniform over the CTA
     }
     const int group = num_heads / num_kv_heads;
     const int parts = (group + PT_ROWS - 1) / PT_ROWS;
-    if ((int)blockIdx.x >= tiles * num_kv_heads * parts) return;
-    const int part = blockIdx.x % parts;
-    const int kvh = (blockIdx.x / parts) % num_kv_heads;
-    const int first = tile_first[blockIdx.x / parts / num_kv_heads];
-#define PT_CALL(HD)                                                                           \
-    paged_attention_tiles_body<HD>(q, k_cache, v_cache, out, block_tables, table_start,        \
-                                   token_pos, token_seq, first, kvh, part, tokens, num_heads, \
+    if ((long long)blockIdx.x >= (long long)tiles * num_kv_heads * parts * splits) return;
+    int b = blockIdx.x;
+    TileSpan span;
+    span.split = b % splits;
+    b /= splits;
+    span.part = b % parts;
+    b /= parts;
+    span.kvh = b % num_kv_heads;
+    span.first = tile_first[b / num_kv_heads];
+    span.splits = splits;
+    span.split_len = splits > 1 ? split_len : 0;
+#define PT_CALL(HD)                                                                          \
+    paged_attention_tiles_body<HD>(q, k_cache, v_cache, out, part, block_tables, table_start, \
+                                   token_pos, token_seq, span, tokens, num_heads,             \
                                    num_kv_heads, block_size, scale, q_s, k_s, v_s, p_s)
     if (head_dim == 64) {
         PT_CALL(64);
@@ -466,4 +499,32 @@ extern "C" __global__ void paged_attention_tiles_f16(
         PT_CALL(128);
     }
 #undef PT_CALL
+}
+
+// attention_merge
+// Launch: grid = (rows, 1, 1) with rows = tokens * num_heads, block = (128, 1, 1), dynamic
+//         shared memory = 0.
+// Combines the splits paged_attention_tiles_f16 left in part (layout there) into
+//   out[row, d] = sum_k acc_k[d] e^(m_k - M) / sum_k l_k e^(m_k - M),  M = max_k m_k,
+// over the splits with positions (m_k > -inf); a row with none gets zeros.
+extern "C" __global__ void attention_merge(const float* __restrict__ part, float* __restrict__ out,
+                                           int rows, int splits, int head_dim) {
+    if ((int)blockIdx.x >= rows) return;
+    const float* p = part + (long long)blockIdx.x * splits * (head_dim + 2);
+    float mx = neg_inf_f32();
+    for (int k = 0; k < splits; k++) mx = fmaxf(mx, p[k * (head_dim + 2) + head_dim]);
+    float total = 0.0f;
+    for (int k = 0; k < splits; k++) {
+        const float mk = p[k * (head_dim + 2) + head_dim];
+        if (mk != neg_inf_f32()) total += p[k * (head_dim + 2) + head_dim + 1] * expf(mk - mx);
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (int k = 0; k < splits; k++) {
+            const float mk = p[k * (head_dim + 2) + head_dim];
+            if (mk != neg_inf_f32()) o = fmaf(p[k * (head_dim + 2) + d], expf(mk - mx), o);
+        }
+        out[(long long)blockIdx.x * head_dim + d] = o * inv;
+    }
 }

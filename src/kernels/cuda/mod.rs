@@ -207,6 +207,7 @@ pub fn kernels() -> Vec<(&'static str, Vec<String>)> {
                 "kv_write_f16",
                 "paged_attention_f16",
                 "paged_attention_tiles_f16",
+                "attention_merge",
             ]),
         ),
         ("sampling", names(&["row_softmax_stats"])),

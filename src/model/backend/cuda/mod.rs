@@ -8,6 +8,7 @@
 //! Libraries are loaded when a device is opened, not at link time: a build with this feature
 //! starts on machines without a GPU, and [`Cuda::open`] says in one line what is missing.
 
+mod attention;
 mod device;
 mod linear;
 mod step;
@@ -29,7 +30,6 @@ use crate::model::kv_cache::{DeviceKv, KvCache, KvStore};
 use crate::model::weights::Weight;
 pub use linear::{DeviceMatrix, Format, MAX_MATVEC_BATCH};
 pub use step::Step;
-use step::{TILE_ROWS, TILE_THREADS};
 
 /// One GPU, the stream a model computes on, and the kernels compiled for it.
 pub struct Cuda {
@@ -481,34 +481,15 @@ impl Backend for Cuda {
             kv.block_size as i32,
         );
         if let Some((tile_first, tiles)) = &step.attention_tiles {
-            let group = heads / kv.num_kv_heads;
-            let parts = group.div_ceil(TILE_ROWS);
-            let cfg = LaunchConfig {
-                grid_dim: ((tiles * kv.num_kv_heads * parts) as u32, 1, 1),
-                block_dim: (TILE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let n_tiles = *tiles as i32;
-            launch!(
-                self,
-                "paged_attention_tiles_f16",
-                cfg,
-                &q.buf,
-                &kv.k[layer],
-                &kv.v[layer],
-                &mut out.buf,
-                &step.block_tables,
-                &step.table_start,
-                &step.token_pos,
-                &step.token_seq,
-                tile_first,
-                &n_tiles,
-                &tokens,
-                &heads_i,
-                &kvh,
-                &hd,
-                &bs,
-                &scale
+            self.attend_in_tiles(
+                kv,
+                layer,
+                step,
+                (tile_first, *tiles),
+                q,
+                heads,
+                scale,
+                &mut out,
             )?;
             return Ok(out);
         }

@@ -2,6 +2,7 @@
 
 use cudarc::driver::CudaSlice;
 
+use super::attention::attention_tiles;
 use super::Cuda;
 use crate::model::batch::SeqInput;
 use crate::model::config::{ModelConfig, RopeStyle};
@@ -18,9 +19,11 @@ pub struct Step<'a> {
     pub(super) token_seq: CudaSlice<i32>,
     pub(super) block_tables: CudaSlice<i32>,
     pub(super) table_start: CudaSlice<i32>,
-    /// The first token of each tile of `paged_attention_tiles_f16`, and their count, when
-    /// the step attends with it ([`attention_tiles`]).
+    /// The first token of each tile of `paged_attention_tiles_f16`, and their count, where
+    /// the step attends with it (head sizes 64 and 128).
     pub(super) attention_tiles: Option<(CudaSlice<i32>, usize)>,
+    /// The longest context a token of the step attends to.
+    pub(super) longest: usize,
     pub(super) tokens: usize,
     _batch: std::marker::PhantomData<&'a ()>,
 }
@@ -67,34 +70,14 @@ impl Cuda {
             block_tables: self.upload(&tables)?,
             table_start: self.upload(&table_start)?,
             attention_tiles,
+            longest: batch
+                .iter()
+                .map(|s| s.start_pos + s.tokens.len())
+                .max()
+                .unwrap_or(0),
             _batch: std::marker::PhantomData,
         })
     }
-}
-
-/// Query rows of a `paged_attention_tiles_f16` CTA (`PT_ROWS`), and its threads
-/// (`PT_THREADS`).
-pub(super) const TILE_ROWS: usize = 16;
-pub(super) const TILE_THREADS: u32 = 128;
-
-/// The first token of each tile of `paged_attention_tiles_f16` over a batch whose sequences
-/// have `lens` new tokens each, in order: every sequence's new tokens cut into runs of
-/// `TILE_ROWS / min(group, TILE_ROWS)` (`group` query heads a KV head), where a sequence has
-/// more than one new token (a prefill or an extend: each K/V row the kernel stages then serves
-/// several tokens) and the kernel takes `head_dim`; `None` otherwise (decode steps keep
-/// `paged_attention_f16`, which splits long contexts over warps).
-fn attention_tiles(head_dim: usize, group: usize, lens: &[usize]) -> Option<Vec<i32>> {
-    if !lens.iter().any(|&n| n > 1) || !matches!(head_dim, 64 | 128) || group == 0 {
-        return None;
-    }
-    let per_tile = TILE_ROWS / group.min(TILE_ROWS);
-    let mut first = 0;
-    let mut firsts = Vec::new();
-    for &n in lens {
-        firsts.extend((0..n).step_by(per_tile).map(|t| (first + t) as i32));
-        first += n;
-    }
-    Some(firsts)
 }
 
 /// Per new token of the batch, `f(block, slot)` of its position in blocks of `block_size`.
@@ -106,32 +89,4 @@ fn slots(batch: &[SeqInput], block_size: usize, f: impl Fn(i32, i32) -> i32) -> 
         }
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn attention_tiles_cut_each_sequence_into_runs() {
-        // Four query heads a KV head: four tokens a tile; the second sequence's run ends
-        // early, the third (a decode) is a tile of its own.
-        assert_eq!(
-            attention_tiles(128, 4, &[10, 3, 1]),
-            Some(vec![0, 4, 8, 10, 13])
-        );
-        // Seven heads: two tokens a tile (14 rows); twenty: one token, in two parts.
-        assert_eq!(attention_tiles(64, 7, &[5]), Some(vec![0, 2, 4]));
-        assert_eq!(attention_tiles(64, 20, &[2, 2]), Some(vec![0, 1, 2, 3]));
-        // One head a KV head: sixteen tokens a tile.
-        assert_eq!(attention_tiles(64, 1, &[40]), Some(vec![0, 16, 32]));
-    }
-
-    #[test]
-    fn decode_steps_and_other_head_sizes_keep_the_per_token_kernel() {
-        assert_eq!(attention_tiles(128, 4, &[1, 1, 1]), None);
-        assert_eq!(attention_tiles(96, 4, &[10]), None);
-        assert_eq!(attention_tiles(256, 2, &[10]), None);
-        assert_eq!(attention_tiles(128, 4, &[]), None);
-    }
 }

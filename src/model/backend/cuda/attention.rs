@@ -1,0 +1,189 @@
+//! Attention over a step's tiles of tokens (`paged_attention_tiles_f16`, then
+//! `attention_merge` where the context is split): how the tiles and splits are cut, and the
+//! launches.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{device_err, int_count, launch, per_row, Cuda, DeviceRows, Step};
+use crate::model::error::Result;
+use crate::model::kv_cache::DeviceKv;
+
+/// Query rows of a `paged_attention_tiles_f16` CTA (`PT_ROWS`), its threads (`PT_THREADS`),
+/// and the positions it stages at a time (`PT_POS`).
+pub(super) const TILE_ROWS: usize = 16;
+pub(super) const TILE_THREADS: u32 = 128;
+const TILE_POSITIONS: usize = 32;
+/// Fewest positions a split of the context covers: two of a CTA's runs.
+const MIN_SPLIT_POSITIONS: usize = 64;
+
+/// The first token of each tile of `paged_attention_tiles_f16` over a batch whose sequences
+/// have `lens` new tokens each, in order: every sequence's new tokens cut into runs of
+/// `TILE_ROWS / min(group, TILE_ROWS)` (`group` query heads a KV head), so each K/V row the
+/// kernel stages serves the heads of a group for several tokens of a prefill or an extend
+/// (and, in a decode step, the group's heads of one token). `None` for a head size the
+/// kernel does not take (`paged_attention_f16` attends instead).
+pub(super) fn attention_tiles(head_dim: usize, group: usize, lens: &[usize]) -> Option<Vec<i32>> {
+    if !matches!(head_dim, 64 | 128) || group == 0 {
+        return None;
+    }
+    let per_tile = TILE_ROWS / group.min(TILE_ROWS);
+    let mut first = 0;
+    let mut firsts = Vec::new();
+    for &n in lens {
+        firsts.extend((0..n).step_by(per_tile).map(|t| (first + t) as i32));
+        first += n;
+    }
+    Some(firsts)
+}
+
+/// Splits of the context for `ctas` tile CTAs (`paged_attention_tiles_f16`) on a device of
+/// `multiprocessors` SMs, over contexts of at most `longest` positions: `(splits, positions
+/// a split)`. Enough splits for two CTAs an SM where the tiles alone are fewer (a decode
+/// step, or an extend, over long contexts: a CTA walks its positions 32 at a time, each run
+/// a round trip to memory), none shorter than [`MIN_SPLIT_POSITIONS`]; `(1, 0)`: no split.
+pub(super) fn context_splits(
+    ctas: usize,
+    multiprocessors: usize,
+    longest: usize,
+) -> (usize, usize) {
+    let wanted = (2 * multiprocessors).div_ceil(ctas.max(1));
+    let most = longest.div_ceil(MIN_SPLIT_POSITIONS);
+    let splits = wanted.min(most);
+    if splits <= 1 {
+        return (1, 0);
+    }
+    let len = longest.div_ceil(splits).next_multiple_of(TILE_POSITIONS);
+    (longest.div_ceil(len), len)
+}
+
+impl Cuda {
+    /// Causal attention of `q` (`[tokens, heads, head_dim]`) over layer `layer`'s cache into
+    /// `out`, through the step's tiles `(first token of each, count)`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend_in_tiles(
+        &self,
+        kv: &DeviceKv,
+        layer: usize,
+        step: &Step<'_>,
+        (tile_first, tiles): (&CudaSlice<i32>, usize),
+        q: &DeviceRows,
+        heads: usize,
+        scale: f32,
+        out: &mut DeviceRows,
+    ) -> Result<()> {
+        let parts = (heads / kv.num_kv_heads).div_ceil(TILE_ROWS);
+        let ctas = tiles * kv.num_kv_heads * parts;
+        let (splits, split_len) = context_splits(ctas, self.multiprocessors, step.longest);
+        // The splits' states, merged into `out` after (a placeholder without splits).
+        let (part_rows, part_width) = match splits {
+            1 => (1, 1),
+            _ => (step.tokens * heads * splits, kv.head_dim + 2),
+        };
+        let mut part = self.alloc(part_rows, part_width)?;
+        let cfg = LaunchConfig {
+            grid_dim: ((ctas * splits) as u32, 1, 1),
+            block_dim: (TILE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (tokens, n_tiles, n_splits, len) = (
+            int_count(step.tokens)?,
+            tiles as i32,
+            splits as i32,
+            split_len as i32,
+        );
+        let (heads_i, kvh, hd, bs) = (
+            heads as i32,
+            kv.num_kv_heads as i32,
+            kv.head_dim as i32,
+            kv.block_size as i32,
+        );
+        launch!(
+            self,
+            "paged_attention_tiles_f16",
+            cfg,
+            &q.buf,
+            &kv.k[layer],
+            &kv.v[layer],
+            &mut out.buf,
+            &mut part.buf,
+            &step.block_tables,
+            &step.table_start,
+            &step.token_pos,
+            &step.token_seq,
+            tile_first,
+            &n_tiles,
+            &n_splits,
+            &len,
+            &tokens,
+            &heads_i,
+            &kvh,
+            &hd,
+            &bs,
+            &scale
+        )?;
+        if splits > 1 {
+            let rows = int_count(step.tokens * heads)?;
+            launch!(
+                self,
+                "attention_merge",
+                per_row(step.tokens * heads, 128),
+                &part.buf,
+                &mut out.buf,
+                &rows,
+                &n_splits,
+                &hd
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_tiles_cut_each_sequence_into_runs() {
+        // Four query heads a KV head: four tokens a tile; the second sequence's run ends
+        // early, the third (a decode) is a tile of its own.
+        assert_eq!(
+            attention_tiles(128, 4, &[10, 3, 1]),
+            Some(vec![0, 4, 8, 10, 13])
+        );
+        // Seven heads: two tokens a tile (14 rows); twenty: one token, in two parts.
+        assert_eq!(attention_tiles(64, 7, &[5]), Some(vec![0, 2, 4]));
+        assert_eq!(attention_tiles(64, 20, &[2, 2]), Some(vec![0, 1, 2, 3]));
+        // One head a KV head: sixteen tokens a tile; a decode step, a tile a sequence.
+        assert_eq!(attention_tiles(64, 1, &[40]), Some(vec![0, 16, 32]));
+        assert_eq!(attention_tiles(128, 4, &[1, 1, 1]), Some(vec![0, 1, 2]));
+    }
+
+    #[test]
+    fn other_head_sizes_keep_the_per_token_kernel() {
+        assert_eq!(attention_tiles(96, 4, &[10]), None);
+        assert_eq!(attention_tiles(256, 2, &[10]), None);
+    }
+
+    #[test]
+    fn few_tiles_split_long_contexts() {
+        // A batch-1 decode of the 8B (eight KV heads) at 516 positions on 132 SMs: 33
+        // splits wanted, at most 9 of 64 positions; 9 of 64 cover the context.
+        assert_eq!(context_splits(8, 132, 516), (9, 64));
+        // Contexts of 2000 positions: 33 splits of 61 positions, rounded to 64: 32.
+        assert_eq!(context_splits(8, 132, 2000), (32, 64));
+        // 100 positions: a split of 64 and one of 36.
+        assert_eq!(context_splits(8, 132, 100), (2, 64));
+        // Enough tiles, or a context too short to split: none.
+        assert_eq!(context_splits(1024, 132, 512), (1, 0));
+        assert_eq!(context_splits(8, 132, 64), (1, 0));
+        // Every split covers at least 64 positions, and the splits the whole context.
+        for (ctas, longest) in [(1, 5000), (40, 3000), (100, 700), (3, 129)] {
+            let (n, len) = context_splits(ctas, 132, longest);
+            assert!(n > 1 && len >= 64 && len % 32 == 0, "{ctas} {longest}");
+            assert!(
+                n * len >= longest && (n - 1) * len < longest,
+                "{ctas} {longest}"
+            );
+        }
+    }
+}
