@@ -18,7 +18,10 @@ def main():
     rms_norm = kernel("ops.cu", "rms_norm", "pppif")
     add_rms_norm = kernel("ops.cu", "add_rms_norm", "ppppif")
 
-    for cols, block in [(576, 256), (37, 32), (128, 64), (4096, 1024), (1, 32)]:
+    # The register path (cols a multiple of 4, at most 32 a thread) and the strided one
+    # (4096 on 32 threads, 37, 1).
+    for cols, block in [(576, 256), (37, 32), (128, 64), (4096, 1024), (1, 32), (4096, 256),
+                        (4096, 32), (5120, 256), (1028, 32)]:
         rows = 3
         x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
         w = rng.standard_normal(cols).astype(np.float32)
@@ -41,6 +44,20 @@ def main():
         x4 = x.copy()
         add_rms_norm(rows, block, x4, a, w, x4, cols, 1e-5)
         c.close(f"add_rms_norm out == x cols={cols}", x4, rms_ref(x + a, w, 1e-5), 2e-6)
+
+    # Rows that are not 16-byte aligned take the strided path: rows of 4 + 4k floats offset
+    # by one float.
+    cols = 64
+    xb = (rng.standard_normal((2, cols + 1)) * 3).astype(np.float32)
+    xo = xb[:, 1:].copy()
+    w = rng.standard_normal(cols).astype(np.float32)
+    flat = np.concatenate([[0.0], xo.ravel()]).astype(np.float32)
+    outb = np.zeros(2 * cols + 1, np.float32)
+    view = flat[1:]
+    assert view.ctypes.data % 16 != 0
+    rms_norm(2, 32, view, w, outb[1:], cols, 1e-6)
+    c.close("rms_norm rows not 16-byte aligned", outb[1:].reshape(2, cols),
+            rms_ref(xo, w, 1e-6), 2e-6)
 
     n = 1000
     x = rng.standard_normal(n).astype(np.float32)
