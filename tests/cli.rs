@@ -118,6 +118,17 @@ fn bench_model_stdout(batch: &str, extra: &[&str]) -> String {
 }
 
 #[test]
+fn bench_model_refuses_a_prefill_to_compare_without_extends() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let model = model.to_str().unwrap();
+    let out = tokenrouter(&["bench-model", "--model", model, "--against-prefill", "64"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("give --extend too"), "{stderr}");
+}
+
+#[test]
 fn bench_model_prints_a_table_with_its_header_and_breakdown() {
     let stdout = bench_model_stdout("2", &[]);
     let has = |text: &str| stdout.lines().any(|l| l.contains(text));
@@ -169,7 +180,10 @@ fn bench_model_prints_a_table_with_its_header_and_breakdown() {
 
 #[test]
 fn bench_model_prints_json_lines() {
-    let stdout = bench_model_stdout("1,3", &["--json", "--extend", "4"]);
+    let stdout = bench_model_stdout(
+        "1,3",
+        &["--json", "--extend", "4", "--against-prefill", "40"],
+    );
     let rows: Vec<serde_json::Value> = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -185,6 +199,8 @@ fn bench_model_prints_json_lines() {
             "roofline_fraction",
             "read_gb_s",
             "extend_tok_s",
+            "against_prefill_tok_s",
+            "extend_over_prefill",
         ] {
             assert!(row[key].as_f64().unwrap() > 0.0, "{key} in {row}");
         }

@@ -8,7 +8,7 @@
 mod measure;
 
 #[cfg(feature = "profiling")]
-pub use measure::{measure, measure_with, Throughput, Workload};
+pub use measure::{measure, measure_with, median, Throughput, Workload, EXTEND_STEPS};
 #[cfg(not(feature = "profiling"))]
 use measure::{measure, Workload};
 
@@ -44,6 +44,7 @@ pub fn step_latencies(model: &Model, max_batch: usize, kv_dtype: KvDtype) -> Res
         prompt_len: 16,
         decode_steps: 4,
         extend: 0,
+        against_prefill: 0,
         seed: 0,
         kv_dtype,
     };

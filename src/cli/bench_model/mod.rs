@@ -12,7 +12,9 @@ use clap::Args;
 use tokenrouter::kernels::large_buf::{self, LargeBuf};
 use tokenrouter::kernels::parallel::for_each_range;
 use tokenrouter::kernels::qmatmul::{peak, Isa};
-use tokenrouter::model::profile::{measure, measure_with, warm_up, Throughput, Workload};
+use tokenrouter::model::profile::{
+    measure, measure_with, median, warm_up, Throughput, Workload, EXTEND_STEPS,
+};
 use tokenrouter::model::random::{self, RandomSource};
 use tokenrouter::model::timing::{set_breakdown, KernelTime, PROJECTIONS};
 use tokenrouter::model::{KvDtype, MatmulBackend, Model};
@@ -38,10 +40,17 @@ pub struct BenchArgs {
     /// Decode steps timed per batch size.
     #[arg(long, default_value_t = 16)]
     decode_steps: usize,
-    /// After the decode steps, also time one step extending every sequence by this many new
-    /// tokens (a routed model's catch-up on the tokens produced elsewhere), as "extend tok/s".
+    /// After the decode steps, also time three steps each extending every sequence by this
+    /// many new tokens (a routed model's catch-up on the tokens produced elsewhere), as
+    /// "extend tok/s" (their median).
     #[arg(long, default_value_t = 0)]
     extend: usize,
+    /// With --extend: after each extend step, time a batch-1 prefill of this many tokens (on
+    /// a cache of its own), the long prefill the catch-up is read against, and print the
+    /// extend's rate over it ("extend/prefill", the median of the steps' ratios) beside the
+    /// prefill's tok/s.
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    against_prefill: usize,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -72,6 +81,9 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     if args.prompt_len == 0 || args.decode_steps == 0 {
         anyhow::bail!("--prompt-len and --decode-steps must be positive");
     }
+    if args.against_prefill > 0 && args.extend == 0 {
+        anyhow::bail!("--against-prefill compares with the extend steps: give --extend too");
+    }
     if args.random.is_some() && args.model.quantize.is_some() {
         anyhow::bail!(
             "--quantize applies to a file's weights; with --random, give the format as NAME:FORMAT"
@@ -98,10 +110,11 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
     };
     let (model, name) = load(backend)?;
     let model = &model;
-    let needed = args.prompt_len + args.decode_steps + args.extend;
+    let needed = (args.prompt_len + args.decode_steps + EXTEND_STEPS * args.extend)
+        .max(args.against_prefill);
     if needed > model.config().context_length {
         anyhow::bail!(
-            "--prompt-len + --decode-steps + --extend = {needed} exceeds the model's context length {}",
+            "--prompt-len + --decode-steps + {EXTEND_STEPS} × --extend (or --against-prefill) = {needed} exceeds the model's context length {}",
             model.config().context_length
         );
     }
@@ -173,6 +186,9 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
         if args.extend > 0 {
             print!(" {:>13}", "extend tok/s");
         }
+        if args.against_prefill > 0 {
+            print!(" {:>14} {:>15}", "prefill tok/s", "extend/prefill");
+        }
         if baseline.is_some() {
             print!(
                 " {:>15} {:>15} {:>9}",
@@ -185,6 +201,7 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
         prompt_len: args.prompt_len,
         decode_steps: args.decode_steps,
         extend: args.extend,
+        against_prefill: args.against_prefill,
         seed: args.seed,
         kv_dtype: args.kv_dtype,
     };
@@ -306,6 +323,10 @@ impl Row {
         if let Some(rate) = t.extend_tok_s {
             obj["extend_tok_s"] = rate.into();
         }
+        if let Some((prefill, ratio)) = t.extend_against {
+            obj["against_prefill_tok_s"] = prefill.into();
+            obj["extend_over_prefill"] = ratio.into();
+        }
         if let Some(s) = &self.shares {
             obj["breakdown"] = s.json();
         }
@@ -340,6 +361,9 @@ impl Row {
         );
         if let Some(rate) = t.extend_tok_s {
             print!(" {rate:>13.1}");
+        }
+        if let Some((prefill, ratio)) = t.extend_against {
+            print!(" {prefill:>14.1} {ratio:>15.2}");
         }
         if let Some(b) = base {
             print!(
@@ -459,27 +483,5 @@ impl ReadProbe {
         let secs = started.elapsed().as_secs_f64();
         std::hint::black_box(total.load(Ordering::Relaxed));
         (items * chunk * 8) as f64 / secs
-    }
-}
-
-/// The median of `xs` (the mean of the middle two for an even count); NaN when empty.
-fn median(mut xs: Vec<f64>) -> f64 {
-    if xs.is_empty() {
-        return f64::NAN;
-    }
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    (xs[(n - 1) / 2] + xs[n / 2]) / 2.0
-}
-
-#[cfg(test)]
-mod tests {
-    use super::median;
-
-    #[test]
-    fn median_of_odd_and_even_counts() {
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
-        assert!(median(Vec::new()).is_nan());
     }
 }

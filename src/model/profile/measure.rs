@@ -15,16 +15,25 @@ use crate::model::{KvCache, Model};
 use crate::scheduler::BlockPool;
 
 /// What one measurement runs: prompts of `prompt_len` random ids, then `decode_steps` greedy
-/// steps, then (when `extend` > 0) one step extending every sequence by `extend` random ids:
-/// the shape of the catch-ups a routed model runs on the tokens produced elsewhere.
+/// steps, then (when `extend` > 0) [`EXTEND_STEPS`] steps each extending every sequence by
+/// `extend` random ids: the shape of the catch-ups a routed model runs on the tokens
+/// produced elsewhere.
 #[derive(Debug, Clone, Copy)]
 pub struct Workload {
     pub prompt_len: usize,
     pub decode_steps: usize,
     pub extend: usize,
+    /// When > 0 (with `extend`), each extend step is followed by a batch-1 prefill of this
+    /// many random ids on a cache of its own: the long prefill the catch-up is read against,
+    /// timed in turn with it so the machine's drift falls on both.
+    pub against_prefill: usize,
     pub seed: u64,
     pub kv_dtype: KvDtype,
 }
+
+/// Extend steps a workload with `extend` > 0 times: one step is a fraction of a second, so
+/// the rate reported is their median.
+pub const EXTEND_STEPS: usize = 3;
 
 /// Without `profiling` the server reads only `decode_tok_s`; the rest is `bench-model`'s.
 #[cfg_attr(not(feature = "profiling"), allow(dead_code))]
@@ -34,8 +43,11 @@ pub struct Throughput {
     pub batch_tokens: usize,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
-    /// New tokens a second of the extend step, when the workload has one.
+    /// New tokens a second of the extend steps (their median), when the workload has them.
     pub extend_tok_s: Option<f64>,
+    /// With `against_prefill`: the prefills' tokens a second and each extend step's rate
+    /// over the prefill after it (medians).
+    pub extend_against: Option<(f64, f64)>,
     /// Seconds of each timed decode step, in order.
     pub step_secs: Vec<f64>,
     /// Where the decode steps' time went, when [`set_breakdown`](crate::model::timing::set_breakdown) is on.
@@ -70,8 +82,9 @@ pub fn measure_with(
 ) -> Result<Throughput> {
     let config = model.config();
     let block_size = 16;
-    let per_seq =
-        (work.prompt_len + work.decode_steps + work.extend + 1).div_ceil(block_size) * block_size;
+    let per_seq = (work.prompt_len + work.decode_steps + EXTEND_STEPS * work.extend + 1)
+        .div_ceil(block_size)
+        * block_size;
     let mut kv = model.kv_cache_for(block_size, batch * per_seq, work.kv_dtype)?;
     let pool = BlockPool::new(kv.num_blocks());
     if model.on_gpu() {
@@ -126,19 +139,37 @@ pub fn measure_with(
     let breakdown = take_breakdown();
     let decode_kernels = model.take_kernel_times()?;
     let decode: f64 = step_secs.iter().sum();
+    let mut extend_against = None;
     let extend_tok_s = match work.extend {
         0 => None,
         n => {
-            for seq in &mut seqs {
-                seq.tokens
-                    .extend((0..n).map(|_| rng.random_range(id_range.clone())));
+            let mut reference = match work.against_prefill {
+                0 => None,
+                len => Some(LongPrefill::new(model, len, work.kv_dtype)?),
+            };
+            let (mut rates, mut prefills, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..EXTEND_STEPS {
+                for seq in &mut seqs {
+                    seq.tokens
+                        .extend((0..n).map(|_| rng.random_range(id_range.clone())));
+                }
+                let started = Instant::now();
+                step_all(&mut seqs)?;
+                let rate = (batch * n) as f64 / started.elapsed().as_secs_f64();
+                rates.push(rate);
+                if let Some(long) = &mut reference {
+                    let prompt = (0..long.len)
+                        .map(|_| rng.random_range(id_range.clone()))
+                        .collect();
+                    let p = long.tok_s(model, prompt)?;
+                    prefills.push(p);
+                    ratios.push(rate / p);
+                }
             }
-            let started = Instant::now();
-            step_all(&mut seqs)?;
-            let secs = started.elapsed().as_secs_f64();
             take_breakdown();
             model.take_kernel_times()?;
-            Some((batch * n) as f64 / secs)
+            extend_against = reference.map(|_| (median(prefills), median(ratios)));
+            Some(median(rates))
         }
     };
     Ok(Throughput {
@@ -146,12 +177,48 @@ pub fn measure_with(
         prefill_tok_s: (batch * work.prompt_len) as f64 / prefill,
         decode_tok_s: (batch * work.decode_steps) as f64 / decode,
         extend_tok_s,
+        extend_against,
         step_secs,
         breakdown,
         prefill_breakdown,
         prefill_kernels,
         decode_kernels,
     })
+}
+
+/// The median of `xs` (the mean of the two middle values for an even count; NaN for none).
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    (xs[(n - 1) / 2] + xs[n / 2]) / 2.0
+}
+
+/// A batch-1 prefill of `len` tokens on a cache of its own, timed again and again.
+struct LongPrefill {
+    len: usize,
+    kv: KvCache,
+    pool: BlockPool,
+}
+
+impl LongPrefill {
+    fn new(model: &Model, len: usize, kv_dtype: KvDtype) -> Result<Self> {
+        let block_size = 16;
+        let kv =
+            model.kv_cache_for(block_size, (len + 1).next_multiple_of(block_size), kv_dtype)?;
+        let pool = BlockPool::new(kv.num_blocks());
+        Ok(Self { len, kv, pool })
+    }
+
+    /// Prefill tokens a second of `prompt` (`len` ids); its blocks go back to the pool after.
+    fn tok_s(&mut self, model: &Model, prompt: Vec<u32>) -> Result<f64> {
+        let mut seq = Sequence::new(prompt);
+        let started = Instant::now();
+        step(model, &mut self.kv, &self.pool, &mut [&mut seq], false)?;
+        Ok(self.len as f64 / started.elapsed().as_secs_f64())
+    }
 }
 
 /// A prefill of `batch` prompts of the workload's length and one decode step, on blocks
@@ -181,4 +248,16 @@ fn untimed_pass(
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(Vec::new()).is_nan());
+    }
 }
