@@ -459,7 +459,8 @@ __device__ __forceinline__ void paged_attention_tiles_body(
 //   splits >= 1; with splits > 1, split_len > 0 is a multiple of PT_POS with splits *
 //   split_len >= every token's position + 1.
 // Inputs as paged_attention_f16's. With splits == 1 the result is its too (a token with
-//   token_pos[t] < 0 gets zeros). With splits > 1, split k of row (t, h) leaves in
+//   token_pos[t] < 0 gets zeros) and part is not read or written (nullptr will do). With
+//   splits > 1, split k of row (t, h) leaves in
 //   part[((t * num_heads + h) * splits + k) * (head_dim + 2) ..]: head_dim unnormalised
 //   sums of exp(score - m) * V over its positions, then m (their largest score; -inf for
 //   none), then the sum of exp(score - m); attention_merge makes out of them.

@@ -139,9 +139,8 @@ pub fn measure_with(
     let breakdown = take_breakdown();
     let decode_kernels = model.take_kernel_times()?;
     let decode: f64 = step_secs.iter().sum();
-    let mut extend_against = None;
-    let extend_tok_s = match work.extend {
-        0 => None,
+    let (extend_tok_s, extend_against) = match work.extend {
+        0 => (None, None),
         n => {
             let mut reference = match work.against_prefill {
                 0 => None,
@@ -168,8 +167,8 @@ pub fn measure_with(
             }
             take_breakdown();
             model.take_kernel_times()?;
-            extend_against = reference.map(|_| (median(prefills), median(ratios)));
-            Some(median(rates))
+            let against = reference.map(|_| (median(prefills), median(ratios)));
+            (Some(median(rates)), against)
         }
     };
     Ok(Throughput {

@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::step::TILE_ROWS;
-use super::{device_err, int_count, launch, per_row, Cuda, DeviceRows, Step};
+use super::{device_err, int_count, launch, per_row, Cuda, DeviceRows, Step, NULL};
 use crate::model::error::Result;
 use crate::model::kv_cache::DeviceKv;
 
@@ -54,12 +54,12 @@ impl Cuda {
         let parts = (heads / kv.num_kv_heads).div_ceil(TILE_ROWS);
         let ctas = tiles * kv.num_kv_heads * parts;
         let (splits, split_len) = context_splits(ctas, self.multiprocessors, step.longest);
-        // The splits' states, merged into `out` after (a placeholder without splits).
-        let (part_rows, part_width) = match splits {
-            1 => (1, 1),
-            _ => (step.tokens * heads * splits, kv.head_dim + 2),
+        // The splits' states, merged into `out` after; none without splits.
+        let part = match splits {
+            1 => None,
+            _ => Some(self.alloc(step.tokens * heads * splits, kv.head_dim + 2)?),
         };
-        let mut part = self.alloc(part_rows, part_width)?;
+        let part_ptr = part.as_ref().map_or(NULL, |p| self.ptr(&p.buf));
         let cfg = LaunchConfig {
             grid_dim: ((ctas * splits) as u32, 1, 1),
             block_dim: (TILE_THREADS, 1, 1),
@@ -85,7 +85,7 @@ impl Cuda {
             &kv.k[layer],
             &kv.v[layer],
             &mut out.buf,
-            &mut part.buf,
+            &part_ptr,
             &step.block_tables,
             &step.table_start,
             &step.token_pos,
@@ -101,7 +101,7 @@ impl Cuda {
             &bs,
             &scale
         )?;
-        if splits > 1 {
+        if let Some(part) = &part {
             let rows = int_count(step.tokens * heads)?;
             launch!(
                 self,
