@@ -30,6 +30,7 @@ use crate::model::kv_cache::{DeviceKv, KvCache, KvStore};
 use crate::model::weights::Weight;
 pub use linear::{DeviceMatrix, Format, MAX_MATVEC_BATCH};
 pub use step::Step;
+use step::{attention_tiles, slots};
 
 /// One GPU, the stream a model computes on, and the kernels compiled for it.
 pub struct Cuda {
@@ -275,7 +276,44 @@ impl Backend for Cuda {
         inv_freq: &[f32],
         style: RopeStyle,
     ) -> Result<Step<'a>> {
-        self.step_for(config, batch, block_size, inv_freq, style)
+        let mut positions = Vec::new();
+        let mut token_seq = Vec::new();
+        let mut tables = Vec::new();
+        let mut table_start = Vec::with_capacity(batch.len());
+        for (i, s) in batch.iter().enumerate() {
+            table_start.push(tables.len() as i32);
+            tables.extend(s.blocks.iter().map(|&b| b as i32));
+            for p in s.start_pos..s.start_pos + s.tokens.len() {
+                positions.push(p as u32);
+                token_seq.push(i as i32);
+            }
+        }
+        let token_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let lens: Vec<usize> = batch.iter().map(|s| s.tokens.len()).collect();
+        let group = config.num_heads / config.num_kv_heads.max(1);
+        let attention_tiles = match attention_tiles(config.head_dim, group, &lens) {
+            Some(firsts) => Some((self.upload(&firsts)?, firsts.len())),
+            None => None,
+        };
+        Ok(Step {
+            tokens: positions.len(),
+            positions: self.upload(&positions)?,
+            inv_freq: self.upload(inv_freq)?,
+            neox: style == RopeStyle::Neox,
+            token_block: self.upload(&slots(batch, block_size, |b, _| b))?,
+            token_slot: self.upload(&slots(batch, block_size, |_, s| s))?,
+            token_pos: self.upload(&token_pos)?,
+            token_seq: self.upload(&token_seq)?,
+            block_tables: self.upload(&tables)?,
+            table_start: self.upload(&table_start)?,
+            attention_tiles,
+            longest: batch
+                .iter()
+                .map(|s| s.start_pos + s.tokens.len())
+                .max()
+                .unwrap_or(0),
+            _batch: std::marker::PhantomData,
+        })
     }
 
     fn embed(&self, e: &DeviceMatrix, _head: &DeviceLinear, ids: &[u32]) -> Result<DeviceRows> {

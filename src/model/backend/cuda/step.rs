@@ -2,10 +2,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::Cuda;
 use crate::model::batch::SeqInput;
-use crate::model::config::{ModelConfig, RopeStyle};
-use crate::model::error::Result;
 
 /// One forward pass's positions and block tables on the device.
 pub struct Step<'a> {
@@ -24,59 +21,7 @@ pub struct Step<'a> {
     /// The longest context a token of the step attends to.
     pub(super) longest: usize,
     pub(super) tokens: usize,
-    _batch: std::marker::PhantomData<&'a ()>,
-}
-
-impl Cuda {
-    /// The step over `batch`: each new token's position, sequence and cache slot, the
-    /// sequences' block tables and, for a prefill or an extend, the attention tiles.
-    pub(super) fn step_for<'a>(
-        &self,
-        config: &ModelConfig,
-        batch: &'a [SeqInput<'a>],
-        block_size: usize,
-        inv_freq: &[f32],
-        style: RopeStyle,
-    ) -> Result<Step<'a>> {
-        let mut positions = Vec::new();
-        let mut token_seq = Vec::new();
-        let mut tables = Vec::new();
-        let mut table_start = Vec::with_capacity(batch.len());
-        for (i, s) in batch.iter().enumerate() {
-            table_start.push(tables.len() as i32);
-            tables.extend(s.blocks.iter().map(|&b| b as i32));
-            for p in s.start_pos..s.start_pos + s.tokens.len() {
-                positions.push(p as u32);
-                token_seq.push(i as i32);
-            }
-        }
-        let token_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        let lens: Vec<usize> = batch.iter().map(|s| s.tokens.len()).collect();
-        let group = config.num_heads / config.num_kv_heads.max(1);
-        let attention_tiles = match attention_tiles(config.head_dim, group, &lens) {
-            Some(firsts) => Some((self.upload(&firsts)?, firsts.len())),
-            None => None,
-        };
-        Ok(Step {
-            tokens: positions.len(),
-            positions: self.upload(&positions)?,
-            inv_freq: self.upload(inv_freq)?,
-            neox: style == RopeStyle::Neox,
-            token_block: self.upload(&slots(batch, block_size, |b, _| b))?,
-            token_slot: self.upload(&slots(batch, block_size, |_, s| s))?,
-            token_pos: self.upload(&token_pos)?,
-            token_seq: self.upload(&token_seq)?,
-            block_tables: self.upload(&tables)?,
-            table_start: self.upload(&table_start)?,
-            attention_tiles,
-            longest: batch
-                .iter()
-                .map(|s| s.start_pos + s.tokens.len())
-                .max()
-                .unwrap_or(0),
-            _batch: std::marker::PhantomData,
-        })
-    }
+    pub(super) _batch: std::marker::PhantomData<&'a ()>,
 }
 
 /// Query rows of a `paged_attention_tiles_f16` CTA (`PT_ROWS`).
@@ -88,7 +33,7 @@ pub(super) const TILE_ROWS: usize = 16;
 /// kernel stages serves the heads of a group for several tokens of a prefill or an extend
 /// (and, in a decode step, the group's heads of one token). `None` for a head size the
 /// kernel does not take (`paged_attention_f16` attends instead).
-fn attention_tiles(head_dim: usize, group: usize, lens: &[usize]) -> Option<Vec<i32>> {
+pub(super) fn attention_tiles(head_dim: usize, group: usize, lens: &[usize]) -> Option<Vec<i32>> {
     if !matches!(head_dim, 64 | 128) || group == 0 {
         return None;
     }
@@ -103,7 +48,11 @@ fn attention_tiles(head_dim: usize, group: usize, lens: &[usize]) -> Option<Vec<
 }
 
 /// Per new token of the batch, `f(block, slot)` of its position in blocks of `block_size`.
-fn slots(batch: &[SeqInput], block_size: usize, f: impl Fn(i32, i32) -> i32) -> Vec<i32> {
+pub(super) fn slots(
+    batch: &[SeqInput],
+    block_size: usize,
+    f: impl Fn(i32, i32) -> i32,
+) -> Vec<i32> {
     let mut out = Vec::new();
     for s in batch {
         for p in s.start_pos..s.start_pos + s.tokens.len() {
