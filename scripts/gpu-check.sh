@@ -9,7 +9,8 @@
 #   (b) bench-model on Qwen2.5-1.5B, Qwen3-8B and Qwen3-32B shapes at Q4_K: prefill tok/s,
 #       decode tok/s at batch 1, 8, 32 and 128, and % of the HBM roofline (bytes read per
 #       step ÷ the device-to-device copy rate measured in the same run);
-#   (c) PyTorch's bf16 matmul rate on this GPU, the peak prefill is read against.
+#   (c) PyTorch's bf16 matmul rate on this GPU, the peak prefill is read against;
+#   and the 8B's decode launch by launch (--eager) against its CUDA graphs.
 # Meant to finish within 8 minutes on an H100/H200. Usage: gpu-bundle/gpu-check.sh [OUT_DIR]
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -54,6 +55,10 @@ for shape in qwen2.5-1.5b:q4_k qwen3-8b:q4_k qwen3-32b:q4_k; do
     | tee -a "$out/bench.jsonl"
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "bench-model $shape failed:"; tail -5 "$out/bench-$shape.err"; }
 done
+# The 8B's decode launch by launch, read against the runs above, which replay CUDA graphs.
+timeout "$bench_timeout" "$here/tokenrouter" bench-model --random qwen3-8b:q4_k --device cuda:0 \
+  --batch 1,32 --prompt-len 512 --decode-steps 16 --eager --json 2>"$out/bench-eager.err" \
+  | tee -a "$out/bench.jsonl"
 
 echo "== summary"
 python3 - "$out" "$parity" <<'PY'
@@ -66,7 +71,8 @@ for line in open(f"{out}/torch-peak.txt"):
 # Multiply-adds per prefill token (2 flops each): the layers' matrices; a prefill computes
 # logits at its last position only, so the LM head is left out.
 params = {"qwen2.5-1.5b:q4_k": 1.31e9, "qwen3-8b:q4_k": 6.95e9, "qwen3-32b:q4_k": 31.2e9}
-rows = [json.loads(l) for l in open(f"{out}/bench.jsonl") if l.strip()]
+every = [json.loads(l) for l in open(f"{out}/bench.jsonl") if l.strip()]
+rows = [r for r in every if not r.get("eager")]
 print(f"(a) GPU vs CPU parity: {'PASS' if parity == 0 else 'FAIL'}")
 print(f"(c) PyTorch bf16 matmul: {peak / 1e12:.1f} TFLOP/s" if peak else "(c) no PyTorch peak")
 print(f"{'model':<24} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'% roofline':>10}")
@@ -92,6 +98,11 @@ for shape in params:
         share = 2 * params[shape] * mine[1]["prefill_tok_s"] / peak
         print(f"  prefill: {100 * share:.0f}% of the bf16 matmul peak (goal >= 25%)")
         ok &= share >= 0.25
+eager = {r["batch"]: r for r in every if r.get("eager") and r["model"] == "random qwen3-8b:q4_k"}
+graphed = {r["batch"]: r for r in rows if r["model"] == "random qwen3-8b:q4_k"}
+for b in sorted(set(eager) & set(graphed)):
+    print(f"  qwen3-8b batch {b} decode, CUDA graphs over eager: "
+          f"{graphed[b]['decode_tok_s'] / eager[b]['decode_tok_s']:.2f}x")
 print("GPU CHECK:", "PASS" if ok else "FAIL")
 sys.exit(0 if ok else 1)
 PY

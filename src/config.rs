@@ -121,6 +121,11 @@ pub struct ModelEntry {
     /// by side, each on its own stream.
     #[serde(default)]
     pub device: DeviceSpec,
+    /// On a GPU, run every decode step launch by launch instead of replaying the CUDA graph
+    /// recorded for its batch size (vLLM's `enforce_eager`): slower, for comparison and
+    /// for debugging.
+    #[serde(default)]
+    pub enforce_eager: bool,
     /// Random weights of a known shape (`NAME[:FORMAT]`, as `bench-model --random`) instead
     /// of `path`'s, which then only gives the tokenizer: for speed runs at a published model's
     /// size without its file.
@@ -306,6 +311,7 @@ impl Config {
                 batch_threshold: default_batch_threshold(),
                 threads: None,
                 device: DeviceSpec::default(),
+                enforce_eager: false,
                 random: None,
                 quantize: None,
                 remote: None,

@@ -1,8 +1,10 @@
 //! The CUDA backend against the CPU backend on tiny random models of every architecture and
 //! every stored format: prefill of three prompts together (95 rows: the tensor-core GEMM
 //! path), then decode steps of the three (the matrix-vector kernel), and each sequence alone
-//! (70 rows: the GEMM; 20: the matrix-vector kernel in chunks; 5: in one call). Both sides follow the CPU's greedy tokens, so every step
-//! compares logits at the same context. Needs a GPU (`scripts/gpu-check.sh` runs it).
+//! (70 rows: the GEMM; 20: the matrix-vector kernel in chunks; 5: in one call). Both sides
+//! follow the CPU's greedy tokens, so every step compares logits at the same context. Decode
+//! steps replay CUDA graphs (recorded at the second step of a batch size), and run launch by
+//! launch once more. Needs a GPU (`scripts/gpu-check.sh` runs it).
 
 use candle_core::quantized::GgmlDType;
 use candle_core::DType;
@@ -127,6 +129,15 @@ fn check(dir: &std::path::Path, what: &str) -> Vec<String> {
         .err()
         .into_iter()
         .collect();
+    // The decode steps above replay CUDA graphs from the third on; launch by launch too.
+    gpu.model.set_cuda_graphs(false);
+    failures.extend(
+        run(&gpu.model, &prompts, Some(&cpu_tokens))
+            .map_err(|e| format!("{what}, batched, eager: {e}"))
+            .and_then(|(steps, _)| compare(&cpu_steps, &steps, &format!("{what}, batched, eager")))
+            .err(),
+    );
+    gpu.model.set_cuda_graphs(true);
     for (s, prompt) in prompts.iter().enumerate() {
         let one = std::slice::from_ref(prompt);
         let feed = std::slice::from_ref(&cpu_tokens[s]);

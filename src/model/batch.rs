@@ -16,3 +16,15 @@ pub struct SeqInput<'a> {
     /// `Model::forward_all_positions` ignores it.
     pub logits: usize,
 }
+
+/// The rows, among the batch's new tokens in order, whose logits the caller reads: the last
+/// `logits` of each sequence's.
+pub fn logit_rows(batch: &[SeqInput]) -> Vec<usize> {
+    let mut rows = Vec::new();
+    let mut end = 0;
+    for s in batch {
+        end += s.tokens.len();
+        rows.extend(end - s.logits.min(s.tokens.len())..end);
+    }
+    rows
+}

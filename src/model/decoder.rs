@@ -10,13 +10,13 @@
 //! that does not end its prompt costs no LM head. The model keeps no per-request state and
 //! knows nothing of scheduling.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use super::backend::cpu::Cpu;
 #[cfg(feature = "cuda")]
 use super::backend::cuda::Cuda;
-use super::backend::Backend;
-use super::batch::SeqInput;
+use super::backend::{Backend, Pass};
+use super::batch::{logit_rows, SeqInput};
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
@@ -25,6 +25,7 @@ use super::weights::{MatmulBackend, WeightSource};
 use crate::kernels::rope::inverse_frequencies;
 use load::{CountingSource, Loader};
 
+mod head;
 mod load;
 
 pub struct ForwardOutput {
@@ -122,6 +123,17 @@ impl Model {
         }
     }
 
+    /// Whether a GPU model replays decode steps from CUDA graphs it records (on unless
+    /// turned off, as vLLM's `--enforce-eager` does); a CPU model has none.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub fn set_cuda_graphs(&self, on: bool) {
+        match &self.inner {
+            Inner::Cpu(_) => {}
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(d) => d.backend.set_recording(on),
+        }
+    }
+
     /// Whether the model runs on a GPU.
     pub fn on_gpu(&self) -> bool {
         !matches!(self.inner, Inner::Cpu(_))
@@ -190,7 +202,7 @@ impl Model {
     pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         with_decoder!(self, d => {
             d.check_tokens(tokens)?;
-            let rows = d.backend.embed(&d.embed, &d.lm_head, tokens)?;
+            let rows = d.backend.embed(&d.embed, &d.lm_head, tokens, None)?;
             d.backend.to_host(rows)
         })
     }
@@ -264,7 +276,7 @@ struct StepCtx<'s, 'a, B: Backend> {
     backend: &'s B,
     config: &'s ModelConfig,
     kv: &'s mut B::Kv,
-    step: B::Step<'a>,
+    step: &'s B::Step<'a>,
     /// New tokens in the batch.
     tokens: usize,
 }
@@ -326,108 +338,83 @@ impl<B: Backend> Decoder<B> {
         kv: &mut KvCache,
         want_hidden: bool,
     ) -> Result<ForwardOutput> {
-        let head = batch.iter().any(|s| s.logits > 0);
-        let Some((x, last_rows)) = self.trunk(batch, kv, head)? else {
-            return self.empty_output(want_hidden);
-        };
-        if !head {
+        self.validate_batch(batch, kv)?;
+        let rows = logit_rows(batch);
+        if batch.is_empty() {
             return self.empty_output(want_hidden);
         }
-        let rows: Vec<usize> = batch
-            .iter()
-            .zip(&last_rows)
-            .flat_map(|(s, &last)| last + 1 - s.logits..=last)
-            .collect();
-        let last = self
-            .backend
-            .select_rows(&x, &rows, self.config.hidden_size)?;
-        self.head(last, rows.len(), want_hidden, true)
+        let (b, hidden) = (&self.backend, self.config.hidden_size);
+        // The rows returned depend on the batch's shape and `want_hidden` only.
+        let pass = self.pass(batch, kv, Some(want_hidden as u64));
+        let out = b.run_pass(&pass, b.kv(kv)?, |step, kv| {
+            let x = self.trunk(batch, step, kv, !rows.is_empty())?;
+            if rows.is_empty() {
+                return Ok(Vec::new());
+            }
+            let last = b.select_rows(&x, step, &rows, hidden)?;
+            self.head(last, rows.len(), want_hidden, true)
+        })?;
+        match rows.is_empty() {
+            true => self.empty_output(want_hidden),
+            false => self.output(out, rows.len(), true),
+        }
     }
 
     fn forward_all_positions(&self, batch: &[SeqInput], kv: &mut KvCache) -> Result<ForwardOutput> {
-        let tokens = batch.iter().map(|s| s.tokens.len()).sum();
-        let Some((x, _)) = self.trunk(batch, kv, true)? else {
+        self.validate_batch(batch, kv)?;
+        if batch.is_empty() {
             return self.empty_output(true);
-        };
-        self.head(x, tokens, true, false)
+        }
+        let tokens = batch.iter().map(|s| s.tokens.len()).sum();
+        let b = &self.backend;
+        let pass = self.pass(batch, kv, None);
+        let out = b.run_pass(&pass, b.kv(kv)?, |step, kv| {
+            let x = self.trunk(batch, step, kv, true)?;
+            self.head(x, tokens, true, false)
+        })?;
+        self.output(out, tokens, false)
     }
 
-    /// The final norm and the LM head over `rows` residual rows `x`.
-    /// `draft`: through the draft head, if the model has one.
-    fn head(
-        &self,
-        mut x: B::Rows,
-        rows: usize,
-        want_hidden: bool,
-        draft: bool,
-    ) -> Result<ForwardOutput> {
-        let (b, c) = (&self.backend, &self.config);
-        timed(Part::AddNorm, || b.norm_in_place(&self.norm, &mut x))?;
-        let logits = match self.draft_head.as_ref().filter(|_| draft) {
-            Some((head, n)) => {
-                let some = timed(Part::LmHead, || b.project_one(head, &x, rows))?;
-                let some = b.to_host(some)?;
-                let mut all = vec![f32::NEG_INFINITY; rows * c.vocab_size];
-                for (row, values) in all.chunks_mut(c.vocab_size).zip(some.chunks(*n)) {
-                    row[..*n].copy_from_slice(values);
-                }
-                all
-            }
-            None => {
-                let all = timed(Part::LmHead, || b.project_one(&self.lm_head, &x, rows))?;
-                b.to_host(all)?
-            }
-        };
-        let host = Device::Cpu;
-        Ok(ForwardOutput {
-            logits: Tensor::from_vec(logits, (rows, c.vocab_size), &host)?,
-            hidden: want_hidden
-                .then(|| -> Result<Tensor> {
-                    Ok(Tensor::from_vec(
-                        b.to_host(x)?,
-                        (rows, c.hidden_size),
-                        &host,
-                    )?)
-                })
-                .transpose()?,
-        })
+    /// A forward pass over `batch` and `kv`'s blocks; `replay_key`: see [`Pass`].
+    fn pass<'s, 'a>(
+        &'s self,
+        batch: &'a [SeqInput<'a>],
+        kv: &KvCache,
+        replay_key: Option<u64>,
+    ) -> Pass<'s, 'a> {
+        Pass {
+            config: &self.config,
+            batch,
+            block_size: kv.block_size(),
+            inv_freq: &self.inv_freq,
+            replay_key,
+        }
     }
 
-    fn empty_output(&self, want_hidden: bool) -> Result<ForwardOutput> {
-        let c = &self.config;
-        Ok(ForwardOutput {
-            logits: Tensor::zeros((0, c.vocab_size), DType::F32, &Device::Cpu)?,
-            hidden: want_hidden
-                .then(|| Tensor::zeros((0, c.hidden_size), DType::F32, &Device::Cpu))
-                .transpose()?,
-        })
-    }
-
-    /// The decoder layers over every new token of the batch: the residual stream before the
-    /// final norm (`[tokens, hidden]`), and each sequence's last row in it (`None` when the
-    /// batch is empty). `head`: the LM head runs next (its weights are prefetched during the
-    /// last layer).
+    /// The decoder layers over every new token of the (non-empty) batch at `step`: the
+    /// residual stream before the final norm (`[tokens, hidden]`). `head`: the LM head runs
+    /// next (its weights are prefetched during the last layer).
     fn trunk(
         &self,
         batch: &[SeqInput],
-        kv: &mut KvCache,
+        step: &B::Step<'_>,
+        kv: &mut B::Kv,
         head: bool,
-    ) -> Result<Option<(B::Rows, Vec<usize>)>> {
+    ) -> Result<B::Rows> {
         let (b, c) = (&self.backend, &self.config);
-        self.validate_batch(batch, kv)?;
-        if batch.is_empty() {
-            return Ok(None);
-        }
-        let (ids, last_rows) = flatten(batch);
+        let ids: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
         let t = ids.len();
         let mut ctx = StepCtx {
             backend: b,
             config: c,
-            step: b.begin_step(c, batch, kv.block_size(), &self.inv_freq, c.rope_style)?,
-            kv: b.kv(kv)?,
+            step,
+            kv,
             tokens: t,
         };
-        let mut x = b.embed(&self.embed, &self.lm_head, &ids)?;
+        let mut x = b.embed(&self.embed, &self.lm_head, &ids, Some(step))?;
         let mut h = b.zeros(t, c.hidden_size)?;
         let mut gated = b.zeros(t, c.intermediate_size)?;
         // The previous layer's FFN output, added to the trunk in the pass of the next norm (or
@@ -445,7 +432,7 @@ impl<B: Backend> Decoder<B> {
         if let Some(y) = ffn_out {
             timed(Part::AddNorm, || b.add(&mut x, &y))?;
         }
-        Ok(Some((x, last_rows)))
+        Ok(x)
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -538,7 +525,7 @@ impl<B: Backend> Attention<B> {
     fn forward(&self, layer: usize, x: &B::Rows, ctx: &mut StepCtx<'_, '_, B>) -> Result<B::Rows> {
         let (b, c) = (ctx.backend, ctx.config);
         // The new rows' cache lines come in while the projection runs.
-        b.prefetch_kv(ctx.kv, layer, &ctx.step);
+        b.prefetch_kv(ctx.kv, layer, ctx.step);
         let qkv = timed(Part::Qkv, || b.project(&self.qkv, x, ctx.tokens))?;
         let [mut q, mut k, v]: [B::Rows; 3] = qkv
             .try_into()
@@ -550,24 +537,13 @@ impl<B: Backend> Attention<B> {
             if let Some(norm) = &self.k_norm {
                 b.norm_in_place(norm, &mut k)?;
             }
-            b.rotary(&ctx.step, &mut q, c.num_heads)?;
-            b.rotary(&ctx.step, &mut k, c.num_kv_heads)?;
-            b.kv_write(ctx.kv, layer, &ctx.step, &k, &v)
+            b.rotary(ctx.step, &mut q, c.num_heads)?;
+            b.rotary(ctx.step, &mut k, c.num_kv_heads)?;
+            b.kv_write(ctx.kv, layer, ctx.step, &k, &v)
         })?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         timed(Part::Attention, || {
-            b.attention(ctx.kv, layer, &ctx.step, &q, c.num_heads, scale)
+            b.attention(ctx.kv, layer, ctx.step, &q, c.num_heads, scale)
         })
     }
-}
-
-/// The batch's new tokens in order, and each sequence's last row among them.
-fn flatten(batch: &[SeqInput]) -> (Vec<u32>, Vec<usize>) {
-    let mut ids = Vec::new();
-    let mut last_rows = Vec::with_capacity(batch.len());
-    for seq in batch {
-        ids.extend_from_slice(seq.tokens);
-        last_rows.push(ids.len() - 1);
-    }
-    (ids, last_rows)
 }

@@ -85,8 +85,9 @@ def run_case(c, rng, head_dim, num_heads, num_kv_heads, block_size, warps, seq_l
 
     # The same queries through the tiled kernel: tiles of consecutive queries of one
     # sequence at consecutive positions, at most 16 / min(group, 16) tokens each; the whole
-    # context in one CTA, then split into runs of 32 and 64 positions merged after.
-    tiles_kernel = kernel("attention.cu", "paged_attention_tiles_f16", "ppppppppppiiiiiiiif")
+    # context in one CTA, then split in 2, 3 and 40 (each tile's runs as long as its own
+    # context needs, at least 64 positions: most of the 40 empty) and merged after.
+    tiles_kernel = kernel("attention.cu", "paged_attention_tiles_f16", "ppppppppppiiiiiiif")
     merge = kernel("attention.cu", "attention_merge", "ppiii")
     gh = min(group, 16)
     tq, parts = 16 // gh, -(-group // gh)
@@ -97,14 +98,12 @@ def run_case(c, rng, head_dim, num_heads, num_kv_heads, block_size, warps, seq_l
         if not same or run >= tq:
             firsts.append(t)
     tile_first = np.array(firsts, np.int32)
-    longest = int(token_pos.max()) + 1
-    for split_len in (0, 32, 64):
-        splits = 1 if split_len == 0 else max(1, -(-longest // split_len))
+    for splits in (1, 2, 3, 40):
         out_t = np.full(out.shape, np.nan, np.float32)
         part = np.full((nt * num_heads, splits, head_dim + 2), np.nan, np.float32)
         tiles_kernel(len(firsts) * num_kv_heads * parts * splits, 128, q, k_cache, v_cache,
                      out_t, part, block_tables, table_start, token_pos, token_seq, tile_first,
-                     len(firsts), splits, split_len, nt, num_heads, num_kv_heads, head_dim,
+                     len(firsts), splits, nt, num_heads, num_kv_heads, head_dim,
                      block_size, np.float32(scale))
         if splits > 1:
             c.true(f"paged_attention_tiles_f16 splits leave out alone {what}",

@@ -59,7 +59,10 @@ pub fn load_model(
             Ok(lm)
         }),
     }
-    .map(Arc::new)
+    .map(|lm| {
+        lm.model.set_cuda_graphs(!m.enforce_eager);
+        Arc::new(lm)
+    })
     .map_err(|source| RuntimeError::Model {
         name: m.name.clone(),
         path: m.path.clone(),

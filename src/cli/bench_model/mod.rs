@@ -72,6 +72,10 @@ pub struct BenchArgs {
     /// kernels' inner product, measured first on data held in registers.
     #[arg(long)]
     breakdown: bool,
+    /// On a GPU, run every decode step launch by launch instead of replaying CUDA graphs
+    /// (as `--breakdown` does, whose events time each launch).
+    #[arg(long)]
+    eager: bool,
 }
 
 pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
@@ -109,6 +113,7 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
         })
     };
     let (model, name) = load(backend)?;
+    model.set_cuda_graphs(!args.eager);
     let model = &model;
     let needed = (args.prompt_len + args.decode_steps + EXTEND_STEPS * args.extend)
         .max(args.against_prefill);
@@ -214,6 +219,7 @@ pub fn run(args: BenchArgs, backend: MatmulBackend) -> anyhow::Result<()> {
         if args.json {
             let mut obj = row.json(&name, batch, kernels);
             obj["device"] = device.as_str().into();
+            obj["eager"] = args.eager.into();
             if let Some(b) = &base {
                 obj["candle_prefill_tok_s"] = b.prefill_tok_s.into();
                 obj["candle_decode_tok_s"] = b.decode_tok_s.into();

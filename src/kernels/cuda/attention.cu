@@ -282,10 +282,13 @@ extern "C" __global__ void paged_attention_f16(const float* q, const unsigned sh
 #define PT_THREADS 128
 #define PT_MAX_HEAD_DIM 128
 
+// Fewest positions a split of the context covers (two of a CTA's runs).
+#define PT_MIN_SPLIT 64
+
 // Where a tile CTA works: its tile's first token, KV head, part of the group, and split of
-// the context (positions split * split_len .. + split_len; split_len = 0: all of them).
+// the context (1 of splits: all of it).
 struct TileSpan {
-    int first, kvh, part, split, splits, split_len;
+    int first, kvh, part, split, splits;
 };
 
 template <int HD>
@@ -313,9 +316,16 @@ __device__ __forceinline__ void paged_attention_tiles_body(
         n_end = max(n_end, token_pos[first + count] + 1);
         count++;
     }
-    // This CTA's positions: lo .. hi - 1.
-    const int lo = span.split_len > 0 ? min(n_end, span.split * span.split_len) : 0;
-    const int hi = span.split_len > 0 ? min(n_end, lo + span.split_len) : n_end;
+    // This CTA's positions: lo .. hi - 1. A split's length follows from the tile's own
+    // context (so one launch, and a recorded one replayed at other lengths, serves any
+    // context): runs of PT_POS, at least PT_MIN_SPLIT, splits after the context empty.
+    int lo = 0, hi = n_end;
+    if (span.splits > 1) {
+        const int per = (n_end + span.splits - 1) / span.splits;
+        const int len = max(PT_MIN_SPLIT, (per + PT_POS - 1) / PT_POS * PT_POS);
+        lo = min(n_end, span.split * len);
+        hi = min(n_end, lo + len);
+    }
     const int* table = block_tables + table_start[seq];
 
     // Row r: token first + r / gh, head kvh * group + part * gh + r % gh, when both are there.
@@ -456,8 +466,9 @@ __device__ __forceinline__ void paged_attention_tiles_body(
 //   num_kv_heads == 0, block_size >= 1, caches 16-byte aligned. tile_first[i] is the first
 //   token of tile i: tiles cover the tokens, each at most PT_ROWS / min(group, PT_ROWS)
 //   consecutive tokens of one sequence (the tile ends early where its sequence does).
-//   splits >= 1; with splits > 1, split_len > 0 is a multiple of PT_POS with splits *
-//   split_len >= every token's position + 1.
+//   splits >= 1: with splits > 1, a tile whose tokens attend n positions cuts them into
+//   runs of max(PT_MIN_SPLIT, ceil(n / splits) rounded up to PT_POS), split k taking run k
+//   (none where k runs cover them already).
 // Inputs as paged_attention_f16's. With splits == 1 the result is its too (a token with
 //   token_pos[t] < 0 gets zeros) and part is not read or written (nullptr will do). With
 //   splits > 1, split k of row (t, h) leaves in
@@ -467,14 +478,14 @@ __device__ __forceinline__ void paged_attention_tiles_body(
 extern "C" __global__ void paged_attention_tiles_f16(
     const float* q, const unsigned short* k_cache, const unsigned short* v_cache, float* out,
     float* part, const int* block_tables, const int* table_start, const int* token_pos,
-    const int* token_seq, const int* tile_first, int tiles, int splits, int split_len,
-    int tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
+    const int* token_seq, const int* tile_first, int tiles, int splits, int tokens,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
     __shared__ __align__(16) float q_s[PT_ROWS * PT_MAX_HEAD_DIM];
     __shared__ __align__(16) float k_s[PT_POS * (PT_MAX_HEAD_DIM + 4)];
     __shared__ __align__(16) float v_s[PT_POS * PT_MAX_HEAD_DIM];
     __shared__ float p_s[PT_ROWS][PT_POS];
     if (blockDim.x != PT_THREADS || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
-        num_heads <= 0 || block_size <= 0 || splits < 1 || (splits > 1 && split_len <= 0)) {
+        num_heads <= 0 || block_size <= 0 || splits < 1) {
         return;  // uniform over the CTA
     }
     const int group = num_heads / num_kv_heads;
@@ -489,7 +500,6 @@ extern "C" __global__ void paged_attention_tiles_f16(
     span.kvh = b % num_kv_heads;
     span.first = tile_first[b / num_kv_heads];
     span.splits = splits;
-    span.split_len = splits > 1 ? split_len : 0;
 #define PT_CALL(HD)                                                                          \
     paged_attention_tiles_body<HD>(q, k_cache, v_cache, out, part, block_tables, table_start, \
                                    token_pos, token_seq, span, tokens, num_heads,             \

@@ -19,10 +19,24 @@ pub mod cuda;
 use candle_core::Tensor;
 
 use super::batch::SeqInput;
-use super::config::{ModelConfig, RopeStyle};
+use super::config::ModelConfig;
 use super::error::Result;
 use super::kv_cache::KvCache;
 use super::weights::Weight;
+
+/// What one forward pass runs over.
+pub struct Pass<'s, 'a> {
+    pub config: &'s ModelConfig,
+    pub batch: &'a [SeqInput<'a>],
+    /// The KV cache's.
+    pub block_size: usize,
+    /// The rotary inverse frequencies (the layout is `config.rope_style`).
+    pub inv_freq: &'s [f32],
+    /// What, besides the batch's shape, decides the pass's launches (which rows it returns):
+    /// a backend that records passes replays one only for an equal key over a batch of the
+    /// same shape. `None`: the pass is not to be recorded.
+    pub replay_key: Option<u64>,
+}
 
 /// A device's ops and its forms of the model's data.
 pub trait Backend: Send + Sync + Sized + 'static {
@@ -65,19 +79,38 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// The K/V storage of `cache`, which must have been made for this backend's device.
     fn kv<'c>(&self, cache: &'c mut KvCache) -> Result<&'c mut Self::Kv>;
 
-    /// Uploads what every layer of one forward pass over `batch` reads.
-    /// `block_size`: the KV cache's.
-    fn begin_step<'a>(
-        &self,
-        config: &ModelConfig,
-        batch: &'a [SeqInput<'a>],
-        block_size: usize,
-        inv_freq: &[f32],
-        style: RopeStyle,
-    ) -> Result<Self::Step<'a>>;
+    /// Uploads what every layer of one forward pass reads.
+    fn begin_step<'a>(&self, pass: &Pass<'_, 'a>) -> Result<Self::Step<'a>>;
 
-    /// Input embeddings of `ids`, `[ids, hidden]`.
-    fn embed(&self, e: &Self::Embedding, head: &Self::Linear, ids: &[u32]) -> Result<Self::Rows>;
+    /// Runs one forward pass: `launch` runs it over the step of `pass` and returns the rows
+    /// to bring back, which come back to host memory in order. A device that records passes
+    /// (the CUDA backend records decode steps as CUDA graphs) may replay a recording of an
+    /// earlier pass instead of calling `launch`, where `pass.replay_key` allows it.
+    fn run_pass<'a, F>(
+        &self,
+        pass: &Pass<'_, 'a>,
+        kv: &mut Self::Kv,
+        mut launch: F,
+    ) -> Result<Vec<Vec<f32>>>
+    where
+        F: FnMut(&Self::Step<'a>, &mut Self::Kv) -> Result<Vec<Self::Rows>>,
+    {
+        let step = self.begin_step(pass)?;
+        launch(&step, kv)?
+            .into_iter()
+            .map(|r| self.to_host(r))
+            .collect()
+    }
+
+    /// Input embeddings of `ids`, `[ids, hidden]`; `step`: the pass whose new tokens they
+    /// are, if any (a device may read them from its upload).
+    fn embed(
+        &self,
+        e: &Self::Embedding,
+        head: &Self::Linear,
+        ids: &[u32],
+        step: Option<&Self::Step<'_>>,
+    ) -> Result<Self::Rows>;
     /// Rows of zeros.
     fn zeros(&self, rows: usize, width: usize) -> Result<Self::Rows>;
     /// `x += add` (when given), then `out` = the norm of each row of `x`.
@@ -130,8 +163,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
         heads: usize,
         scale: f32,
     ) -> Result<Self::Rows>;
-    /// Rows `rows` of `x` (`width` wide), in that order.
-    fn select_rows(&self, x: &Self::Rows, rows: &[usize], width: usize) -> Result<Self::Rows>;
+    /// Rows `rows` of `x` (`width` wide), in that order: the step's logit rows
+    /// ([`logit_rows`](super::batch::logit_rows) of its batch).
+    fn select_rows(
+        &self,
+        x: &Self::Rows,
+        step: &Self::Step<'_>,
+        rows: &[usize],
+        width: usize,
+    ) -> Result<Self::Rows>;
     /// The values of `x` in host memory, row-major.
     fn to_host(&self, x: Self::Rows) -> Result<Vec<f32>>;
 

@@ -6,12 +6,10 @@ mod layers;
 
 use candle_core::Tensor;
 
-use super::Backend;
+use super::{Backend, Pass};
 use crate::kernels::add_in_place;
 use crate::kernels::attention::AttentionSeq;
 use crate::kernels::rope::RotaryAngles;
-use crate::model::batch::SeqInput;
-use crate::model::config::{ModelConfig, RopeStyle};
 use crate::model::error::{ModelError, Result};
 use crate::model::kv_cache::{HostKv, KvCache, KvStore};
 use crate::model::weights::{MatmulBackend, Weight};
@@ -93,14 +91,8 @@ impl Backend for Cpu {
         }
     }
 
-    fn begin_step<'a>(
-        &self,
-        _config: &ModelConfig,
-        batch: &'a [SeqInput<'a>],
-        _block_size: usize,
-        inv_freq: &[f32],
-        style: RopeStyle,
-    ) -> Result<Step<'a>> {
+    fn begin_step<'a>(&self, pass: &Pass<'_, 'a>) -> Result<Step<'a>> {
+        let batch = pass.batch;
         let seqs: Vec<AttentionSeq> = batch
             .iter()
             .map(|s| AttentionSeq {
@@ -115,11 +107,17 @@ impl Backend for Cpu {
             .collect();
         Ok(Step {
             seqs,
-            angles: RotaryAngles::new(&positions, inv_freq, style),
+            angles: RotaryAngles::new(&positions, pass.inv_freq, pass.config.rope_style),
         })
     }
 
-    fn embed(&self, e: &Embedding, head: &FusedLinear, ids: &[u32]) -> Result<Vec<f32>> {
+    fn embed(
+        &self,
+        e: &Embedding,
+        head: &FusedLinear,
+        ids: &[u32],
+        _step: Option<&Step<'_>>,
+    ) -> Result<Vec<f32>> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
@@ -215,7 +213,13 @@ impl Backend for Cpu {
         Ok(out)
     }
 
-    fn select_rows(&self, x: &Vec<f32>, rows: &[usize], width: usize) -> Result<Vec<f32>> {
+    fn select_rows(
+        &self,
+        x: &Vec<f32>,
+        _step: &Step<'_>,
+        rows: &[usize],
+        width: usize,
+    ) -> Result<Vec<f32>> {
         Ok(rows
             .iter()
             .flat_map(|&r| &x[r * width..(r + 1) * width])

@@ -2,38 +2,31 @@
 //! `attention_merge` where the context is split): how the tiles and splits are cut, and the
 //! launches.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::step::TILE_ROWS;
 use super::{device_err, int_count, launch, per_row, Cuda, DeviceRows, Step, NULL};
 use crate::model::error::Result;
 use crate::model::kv_cache::DeviceKv;
 
-/// Threads of a `paged_attention_tiles_f16` CTA (`PT_THREADS`) and the positions it stages
-/// at a time (`PT_POS`).
+/// Threads of a `paged_attention_tiles_f16` CTA (`PT_THREADS`).
 const TILE_THREADS: u32 = 128;
-const TILE_POSITIONS: usize = 32;
-/// Fewest positions a split of the context covers: two of a CTA's runs.
+/// Fewest positions a split of the context covers (`PT_MIN_SPLIT`): two of a CTA's runs.
 const MIN_SPLIT_POSITIONS: usize = 64;
+/// Most splits of a recorded pass's contexts, whose lengths are not known when it is
+/// recorded: contexts up to 64 splits of [`MIN_SPLIT_POSITIONS`] split evenly.
+const MOST_SPLITS: usize = 64;
 
 /// Splits of the context for `ctas` tile CTAs (`paged_attention_tiles_f16`) on a device of
-/// `multiprocessors` SMs, over contexts of at most `longest` positions: `(splits, positions
-/// a split)`. Enough splits for two CTAs an SM where the tiles alone are fewer (a decode
-/// step, or an extend, over long contexts: a CTA walks its positions 32 at a time, each run
-/// a round trip to memory), none shorter than [`MIN_SPLIT_POSITIONS`]; `(1, 0)`: no split.
-pub(super) fn context_splits(
-    ctas: usize,
-    multiprocessors: usize,
-    longest: usize,
-) -> (usize, usize) {
+/// `multiprocessors` SMs, over contexts of at most `longest` positions (`None`: any, for a
+/// pass recorded to be replayed). Enough splits for two CTAs an SM where the tiles alone are
+/// fewer (a decode step, or an extend, over long contexts: a CTA walks its positions 32 at a
+/// time, each run a round trip to memory), none shorter than [`MIN_SPLIT_POSITIONS`] (the
+/// kernel cuts each tile's own context into that many runs); 1: no split.
+pub(super) fn context_splits(ctas: usize, multiprocessors: usize, longest: Option<usize>) -> usize {
     let wanted = (2 * multiprocessors).div_ceil(ctas.max(1));
-    let most = longest.div_ceil(MIN_SPLIT_POSITIONS);
-    let splits = wanted.min(most);
-    if splits <= 1 {
-        return (1, 0);
-    }
-    let len = longest.div_ceil(splits).next_multiple_of(TILE_POSITIONS);
-    (longest.div_ceil(len), len)
+    let most = longest.map_or(MOST_SPLITS, |l| l.div_ceil(MIN_SPLIT_POSITIONS));
+    wanted.min(most).max(1)
 }
 
 impl Cuda {
@@ -45,7 +38,7 @@ impl Cuda {
         kv: &DeviceKv,
         layer: usize,
         step: &Step<'_>,
-        (tile_first, tiles): (&CudaSlice<i32>, usize),
+        (tile_first, tiles): (u64, usize),
         q: &DeviceRows,
         heads: usize,
         scale: f32,
@@ -53,7 +46,7 @@ impl Cuda {
     ) -> Result<()> {
         let parts = (heads / kv.num_kv_heads).div_ceil(TILE_ROWS);
         let ctas = tiles * kv.num_kv_heads * parts;
-        let (splits, split_len) = context_splits(ctas, self.multiprocessors, step.longest);
+        let splits = context_splits(ctas, self.multiprocessors, step.longest);
         // The splits' states, merged into `out` after; none without splits.
         let part = match splits {
             1 => None,
@@ -65,12 +58,7 @@ impl Cuda {
             block_dim: (TILE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (tokens, n_tiles, n_splits, len) = (
-            int_count(step.tokens)?,
-            tiles as i32,
-            splits as i32,
-            split_len as i32,
-        );
+        let (tokens, n_tiles, n_splits) = (int_count(step.tokens)?, tiles as i32, splits as i32);
         let (heads_i, kvh, hd, bs) = (
             heads as i32,
             kv.num_kv_heads as i32,
@@ -88,12 +76,11 @@ impl Cuda {
             &part_ptr,
             &step.block_tables,
             &step.table_start,
-            &step.token_pos,
+            &step.positions,
             &step.token_seq,
-            tile_first,
+            &tile_first,
             &n_tiles,
             &n_splits,
-            &len,
             &tokens,
             &heads_i,
             &kvh,
@@ -125,23 +112,20 @@ mod tests {
     #[test]
     fn few_tiles_split_long_contexts() {
         // A batch-1 decode of the 8B (eight KV heads) at 516 positions on 132 SMs: 33
-        // splits wanted, at most 9 of 64 positions; 9 of 64 cover the context.
-        assert_eq!(context_splits(8, 132, 516), (9, 64));
-        // Contexts of 2000 positions: 33 splits of 61 positions, rounded to 64: 32.
-        assert_eq!(context_splits(8, 132, 2000), (32, 64));
-        // 100 positions: a split of 64 and one of 36.
-        assert_eq!(context_splits(8, 132, 100), (2, 64));
+        // splits wanted, at most 9 of 64 positions.
+        assert_eq!(context_splits(8, 132, Some(516)), 9);
+        // Contexts of 2000 positions: 33 wanted, at most 32 of 64 positions.
+        assert_eq!(context_splits(8, 132, Some(2000)), 32);
+        assert_eq!(context_splits(8, 132, Some(3000)), 33);
+        // 100 positions: two.
+        assert_eq!(context_splits(8, 132, Some(100)), 2);
         // Enough tiles, or a context too short to split: none.
-        assert_eq!(context_splits(1024, 132, 512), (1, 0));
-        assert_eq!(context_splits(8, 132, 64), (1, 0));
-        // Every split covers at least 64 positions, and the splits the whole context.
-        for (ctas, longest) in [(1, 5000), (40, 3000), (100, 700), (3, 129)] {
-            let (n, len) = context_splits(ctas, 132, longest);
-            assert!(n > 1 && len >= 64 && len % 32 == 0, "{ctas} {longest}");
-            assert!(
-                n * len >= longest && (n - 1) * len < longest,
-                "{ctas} {longest}"
-            );
-        }
+        assert_eq!(context_splits(1024, 132, Some(512)), 1);
+        assert_eq!(context_splits(8, 132, Some(64)), 1);
+        assert_eq!(context_splits(8, 132, Some(0)), 1);
+        // A recorded pass: the splits wanted, whatever its contexts, up to 64.
+        assert_eq!(context_splits(8, 132, None), 33);
+        assert_eq!(context_splits(1, 132, None), 64);
+        assert_eq!(context_splits(1024, 132, None), 1);
     }
 }

@@ -112,6 +112,8 @@ impl Cuda {
             launches: Mutex::default(),
             arch,
             multiprocessors,
+            recordings: Mutex::default(),
+            eager: Default::default(),
         })
     }
 

@@ -21,7 +21,7 @@ pub const MAX_MATVEC_BATCH: usize = 8;
 
 /// Most rows multiplied by the kernels that read the stored weights (matrix-vector, tensor
 /// cores); more go through the GEMM.
-const DIRECT_ROWS: usize = 64;
+pub(super) const DIRECT_ROWS: usize = 64;
 
 /// Output rows and columns per tile of `matmul_tc_*` (`TC_BM`, `TC_BK` of `quant.cu`).
 const TC_ROWS: usize = 32;
@@ -176,11 +176,11 @@ impl DeviceMatrix {
         }
     }
 
-    /// Rows `ids` (on the device, `n` of them) as `f32` into `out` (`[n, cols]`).
+    /// Rows `ids` (`n` ids at device address `ids`) as `f32` into `out` (`[n, cols]`).
     pub(super) fn rows_into(
         &self,
         cuda: &Cuda,
-        ids: &CudaSlice<u32>,
+        ids: u64,
         n: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
@@ -192,7 +192,7 @@ impl DeviceMatrix {
             &name,
             elementwise(self.dequant_work(n)),
             &w,
-            ids,
+            &ids,
             &n_i,
             &cols,
             out

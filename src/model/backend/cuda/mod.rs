@@ -10,10 +10,12 @@
 
 mod attention;
 mod device;
+mod graphs;
 mod linear;
 mod step;
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
@@ -23,14 +25,13 @@ use cudarc::driver::{
 };
 
 use super::Backend;
-use crate::model::batch::SeqInput;
-use crate::model::config::{ModelConfig, RopeStyle};
+use crate::model::backend::Pass;
+use crate::model::config::RopeStyle;
 use crate::model::error::{ModelError, Result};
 use crate::model::kv_cache::{DeviceKv, KvCache, KvStore};
 use crate::model::weights::Weight;
 pub use linear::{DeviceMatrix, Format, MAX_MATVEC_BATCH};
 pub use step::Step;
-use step::{attention_tiles, slots};
 
 /// One GPU, the stream a model computes on, and the kernels compiled for it.
 pub struct Cuda {
@@ -47,6 +48,10 @@ pub struct Cuda {
     arch: u32,
     /// Streaming multiprocessors: how many CTAs fill the device.
     multiprocessors: usize,
+    /// Decode steps recorded as CUDA graphs, by batch size.
+    recordings: Mutex<graphs::Recordings>,
+    /// Every pass runs launch by launch (no recordings).
+    eager: AtomicBool,
 }
 
 /// `f32` activations on the device: `rows` rows of `width`.
@@ -268,58 +273,43 @@ impl Backend for Cuda {
         }
     }
 
-    fn begin_step<'a>(
-        &self,
-        config: &ModelConfig,
-        batch: &'a [SeqInput<'a>],
-        block_size: usize,
-        inv_freq: &[f32],
-        style: RopeStyle,
-    ) -> Result<Step<'a>> {
-        let mut positions = Vec::new();
-        let mut token_seq = Vec::new();
-        let mut tables = Vec::new();
-        let mut table_start = Vec::with_capacity(batch.len());
-        for (i, s) in batch.iter().enumerate() {
-            table_start.push(tables.len() as i32);
-            tables.extend(s.blocks.iter().map(|&b| b as i32));
-            for p in s.start_pos..s.start_pos + s.tokens.len() {
-                positions.push(p as u32);
-                token_seq.push(i as i32);
-            }
-        }
-        let token_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        let lens: Vec<usize> = batch.iter().map(|s| s.tokens.len()).collect();
-        let group = config.num_heads / config.num_kv_heads.max(1);
-        let attention_tiles = match attention_tiles(config.head_dim, group, &lens) {
-            Some(firsts) => Some((self.upload(&firsts)?, firsts.len())),
-            None => None,
-        };
-        Ok(Step {
-            tokens: positions.len(),
-            positions: self.upload(&positions)?,
-            inv_freq: self.upload(inv_freq)?,
-            neox: style == RopeStyle::Neox,
-            token_block: self.upload(&slots(batch, block_size, |b, _| b))?,
-            token_slot: self.upload(&slots(batch, block_size, |_, s| s))?,
-            token_pos: self.upload(&token_pos)?,
-            token_seq: self.upload(&token_seq)?,
-            block_tables: self.upload(&tables)?,
-            table_start: self.upload(&table_start)?,
-            attention_tiles,
-            longest: batch
-                .iter()
-                .map(|s| s.start_pos + s.tokens.len())
-                .max()
-                .unwrap_or(0),
-            _batch: std::marker::PhantomData,
-        })
+    fn begin_step<'a>(&self, pass: &Pass<'_, 'a>) -> Result<Step<'a>> {
+        let (words, layout) = step::pack(pass);
+        let buf = self.upload(&words)?;
+        let neox = pass.config.rope_style == RopeStyle::Neox;
+        Ok(Step::at(self.ptr(&buf), &layout, Some(buf), neox, false))
     }
 
-    fn embed(&self, e: &DeviceMatrix, _head: &DeviceLinear, ids: &[u32]) -> Result<DeviceRows> {
+    fn run_pass<'a, F>(
+        &self,
+        pass: &Pass<'_, 'a>,
+        kv: &mut DeviceKv,
+        launch: F,
+    ) -> Result<Vec<Vec<f32>>>
+    where
+        F: FnMut(&Step<'a>, &mut DeviceKv) -> Result<Vec<DeviceRows>>,
+    {
+        self.run_recorded(pass, kv, launch)
+    }
+
+    fn embed(
+        &self,
+        e: &DeviceMatrix,
+        _head: &DeviceLinear,
+        ids: &[u32],
+        step: Option<&Step<'_>>,
+    ) -> Result<DeviceRows> {
         let mut out = self.alloc(ids.len(), e.cols)?;
-        let rows = self.upload(ids)?;
-        e.rows_into(self, &rows, ids.len(), &mut out.buf)?;
+        let (_owned, ids_at) = match step {
+            // The step's upload holds the same ids.
+            Some(step) => (None, step.ids),
+            None => {
+                let buf = self.upload(ids)?;
+                let at = self.ptr(&buf);
+                (Some(buf), at)
+            }
+        };
+        e.rows_into(self, ids_at, ids.len(), &mut out.buf)?;
         Ok(out)
     }
 
@@ -523,7 +513,7 @@ impl Backend for Cuda {
                 kv,
                 layer,
                 step,
-                (tile_first, *tiles),
+                (*tile_first, *tiles),
                 q,
                 heads,
                 scale,
@@ -548,7 +538,7 @@ impl Backend for Cuda {
             &mut out.buf,
             &step.block_tables,
             &step.table_start,
-            &step.token_pos,
+            &step.positions,
             &step.token_seq,
             &tokens,
             &heads_i,
@@ -560,13 +550,19 @@ impl Backend for Cuda {
         Ok(out)
     }
 
-    fn select_rows(&self, x: &DeviceRows, rows: &[usize], width: usize) -> Result<DeviceRows> {
-        // `gather_rows` reads rows of `width` values one after another.
+    fn select_rows(
+        &self,
+        x: &DeviceRows,
+        step: &Step<'_>,
+        rows: &[usize],
+        width: usize,
+    ) -> Result<DeviceRows> {
+        // `gather_rows` reads rows of `width` values one after another; the step's upload
+        // holds `rows`.
         debug_assert_eq!(width, x.width);
+        debug_assert_eq!(rows.len(), step.rows.1);
         let mut out = self.alloc(rows.len(), width)?;
-        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let ids = self.upload(&ids)?;
-        let (n, w) = (rows.len() as i32, width as i32);
+        let (ids, n, w) = (step.rows.0, rows.len() as i32, width as i32);
         launch!(
             self,
             "gather_rows",
