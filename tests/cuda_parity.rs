@@ -4,7 +4,8 @@
 //! (70 rows: the GEMM; 20: the matrix-vector kernel in chunks; 5: in one call). Both sides
 //! follow the CPU's greedy tokens, so every step compares logits at the same context. Decode
 //! steps replay CUDA graphs (recorded at the second step of a batch size), and run launch by
-//! launch once more. Needs a GPU (`scripts/gpu-check.sh` runs it).
+//! launch once more. The K-quant cases (head size 64) run the q/k/v post-processing in one
+//! kernel, the others (16) op by op. Needs a GPU (`scripts/gpu-check.sh` runs it).
 
 use candle_core::quantized::GgmlDType;
 use candle_core::DType;

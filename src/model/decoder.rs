@@ -15,7 +15,7 @@ use candle_core::{Device, Tensor};
 use super::backend::cpu::Cpu;
 #[cfg(feature = "cuda")]
 use super::backend::cuda::Cuda;
-use super::backend::{Backend, Pass};
+use super::backend::{Backend, Pass, QkvSpec};
 use super::batch::{logit_rows, SeqInput};
 use super::config::ModelConfig;
 use super::error::{ModelError, Result};
@@ -120,6 +120,17 @@ impl Model {
             Inner::Cpu(_) => Ok(None),
             #[cfg(feature = "cuda")]
             Inner::Cuda(d) => d.backend.copy_rate().map(Some),
+        }
+    }
+
+    /// For a model on a GPU, its device's free and total memory in bytes, what the model's
+    /// stream keeps of freed memory handed back first (so it counts as free); `None` on the
+    /// CPU.
+    pub fn device_memory(&self) -> Result<Option<(usize, usize)>> {
+        match &self.inner {
+            Inner::Cpu(_) => Ok(None),
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(d) => d.backend.memory().map(Some),
         }
     }
 
@@ -526,21 +537,15 @@ impl<B: Backend> Attention<B> {
         let (b, c) = (ctx.backend, ctx.config);
         // The new rows' cache lines come in while the projection runs.
         b.prefetch_kv(ctx.kv, layer, ctx.step);
-        let qkv = timed(Part::Qkv, || b.project(&self.qkv, x, ctx.tokens))?;
-        let [mut q, mut k, v]: [B::Rows; 3] = qkv
-            .try_into()
-            .map_err(|_| ModelError::InvalidBatch("q/k/v must be three projections".into()))?;
-        timed(Part::RotaryKvWrite, || {
-            if let Some(norm) = &self.q_norm {
-                b.norm_in_place(norm, &mut q)?;
-            }
-            if let Some(norm) = &self.k_norm {
-                b.norm_in_place(norm, &mut k)?;
-            }
-            b.rotary(ctx.step, &mut q, c.num_heads)?;
-            b.rotary(ctx.step, &mut k, c.num_kv_heads)?;
-            b.kv_write(ctx.kv, layer, ctx.step, &k, &v)
-        })?;
+        let spec = QkvSpec {
+            qkv: &self.qkv,
+            q_norm: self.q_norm.as_ref(),
+            k_norm: self.k_norm.as_ref(),
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            layer,
+        };
+        let q = b.attention_inputs(&spec, x, ctx.tokens, ctx.step, ctx.kv)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         timed(Part::Attention, || {
             b.attention(ctx.kv, layer, ctx.step, &q, c.num_heads, scale)

@@ -27,8 +27,8 @@ KERNELS = {
     + ["f32_to_f16", "f32_to_bf16", "f16_to_f32", "sum_slices"],
     "ops.cu": ["rms_norm", "add_rms_norm", "add_in_place", "add_bias", "silu_mul", "rotary",
                "copy_columns", "gather_rows"],
-    "attention.cu": ["kv_write_f16", "paged_attention_f16", "paged_attention_tiles_f16",
-                     "attention_merge"],
+    "attention.cu": ["kv_write_f16", "qkv_rotary_write_f16", "paged_attention_f16",
+                     "paged_attention_tiles_f16", "attention_merge"],
     "sampling.cu": ["row_softmax_stats"],
 }
 

@@ -36,6 +36,101 @@ extern "C" __global__ void kv_write_f16(unsigned short* k_cache, unsigned short*
     }
 }
 
+// qkv_rotary_write_f16
+// Launch: grid = (ceil(tokens * (heads + 2 * kv_heads) / 4), 1, 1), block = (128, 1, 1),
+//         dynamic shared memory = 0.
+// What follows a stacked q/k/v projection before attention, in one launch (where it took a
+// column copy for each of q, k and v, a norm for each of q and k, two rotaries and the K/V
+// write). qkv is [tokens, stride] f32: token t's q heads at columns 0 .., its K heads after
+// them, its V heads after those, head_dim values each. Warp w of CTA b takes row r = 4b + w
+// of the tokens * (heads + 2 * kv_heads) heads, token t = r / (heads + 2 * kv_heads):
+//   q head h:  x = qkv[t, h], normalised by q_norm where it is not null (as rms_norm over
+//              head_dim: x / sqrtf(mean(x^2) + q_eps) * q_norm), rotated as rotary does at
+//              positions[t], into q[t, h, :] (q is [tokens, heads, head_dim]);
+//   K head j:  the same with k_norm and k_eps, written as f16 to
+//              k_cache[token_block[t], j, token_slot[t], :] (as kv_write_f16);
+//   V head j:  written as f16 to v_cache there.
+// A token with token_block[t] < 0 (padding) writes no K/V.
+// Requirements: head_dim a multiple of 32, at most 256, and of 64 when neox != 0.
+#define QKV_MAX_PER_LANE 8
+extern "C" __global__ void qkv_rotary_write_f16(
+    const float* qkv, int stride, const float* q_norm, float q_eps, const float* k_norm,
+    float k_eps, const unsigned int* positions, const float* inv_freq, int neox,
+    const int* token_block, const int* token_slot, float* q, unsigned short* k_cache,
+    unsigned short* v_cache, int tokens, int heads, int kv_heads, int head_dim,
+    int block_size) {
+    const int lane = threadIdx.x & 31;
+    const int per_token = heads + 2 * kv_heads;
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int n = head_dim >> 5;  // values a lane: dims lane, lane + 32, ...
+    if (r >= (long long)tokens * per_token || (head_dim & 31) != 0 || n > QKV_MAX_PER_LANE ||
+        (neox && (head_dim & 63) != 0)) {
+        return;  // uniform over the warp; no CTA barrier follows
+    }
+    const long long t = r / per_token;
+    const int h = (int)(r - t * per_token);
+    const bool is_q = h < heads;
+    const bool is_k = !is_q && h < heads + kv_heads;
+    const float* x = qkv + t * stride + (long long)h * head_dim;
+    float v[QKV_MAX_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < QKV_MAX_PER_LANE; j++) v[j] = j < n ? x[lane + 32 * j] : 0.0f;
+    const float* w = is_q ? q_norm : (is_k ? k_norm : nullptr);
+    if (w != nullptr) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < QKV_MAX_PER_LANE; j++) ss = fmaf(v[j], v[j], ss);
+        ss = warp_sum(ss);
+        const float rms = sqrtf(ss / (float)head_dim + (is_q ? q_eps : k_eps));
+#pragma unroll
+        for (int j = 0; j < QKV_MAX_PER_LANE; j++)
+            if (j < n) v[j] = v[j] / rms * w[lane + 32 * j];
+    }
+    if (is_q || is_k) {
+        const float pos = (float)positions[t];
+        if (neox) {
+            // Pairs (i, i + head_dim / 2): dims lane + 32j and lane + 32(j + n / 2), one lane.
+#pragma unroll
+            for (int j = 0; j < QKV_MAX_PER_LANE / 2; j++) {
+                if (j < n / 2) {
+                    float s, c;
+                    sincosf(pos * inv_freq[lane + 32 * j], &s, &c);
+                    const float a = v[j], b = v[j + n / 2];
+                    v[j] = a * c - b * s;
+                    v[j + n / 2] = a * s + b * c;
+                }
+            }
+        } else {
+            // Pairs (2i, 2i + 1): neighbouring lanes, the even one holding a.
+#pragma unroll
+            for (int j = 0; j < QKV_MAX_PER_LANE; j++) {
+                if (j < n) {
+                    const float other = __shfl_xor_sync(0xffffffffu, v[j], 1);
+                    float s, c;
+                    sincosf(pos * inv_freq[(lane + 32 * j) >> 1], &s, &c);
+                    v[j] = (lane & 1) == 0 ? v[j] * c - other * s : other * s + v[j] * c;
+                }
+            }
+        }
+    }
+    if (is_q) {
+        float* out = q + (t * heads + h) * head_dim;
+#pragma unroll
+        for (int j = 0; j < QKV_MAX_PER_LANE; j++)
+            if (j < n) out[lane + 32 * j] = v[j];
+        return;
+    }
+    const int b = token_block[t];
+    if (b < 0) return;
+    const int j_head = is_k ? h - heads : h - heads - kv_heads;
+    const long long dst =
+        (((long long)b * kv_heads + j_head) * block_size + token_slot[t]) * head_dim;
+    unsigned short* cache = is_k ? k_cache : v_cache;
+#pragma unroll
+    for (int j = 0; j < QKV_MAX_PER_LANE; j++)
+        if (j < n) cache[dst + lane + 32 * j] = float_to_half(v[j]);
+}
+
 #define PA_MAX_HEAD_DIM 256
 #define PA_MAX_WARPS 16
 

@@ -205,6 +205,7 @@ pub fn kernels() -> Vec<(&'static str, Vec<String>)> {
             "attention",
             names(&[
                 "kv_write_f16",
+                "qkv_rotary_write_f16",
                 "paged_attention_f16",
                 "paged_attention_tiles_f16",
                 "attention_merge",

@@ -20,8 +20,9 @@ use candle_core::Tensor;
 
 use super::batch::SeqInput;
 use super::config::ModelConfig;
-use super::error::Result;
+use super::error::{ModelError, Result};
 use super::kv_cache::KvCache;
+use super::timing::{timed, Part};
 use super::weights::Weight;
 
 /// What one forward pass runs over.
@@ -36,6 +37,18 @@ pub struct Pass<'s, 'a> {
     /// a backend that records passes replays one only for an equal key over a batch of the
     /// same shape. `None`: the pass is not to be recorded.
     pub replay_key: Option<u64>,
+}
+
+/// A layer's q/k/v projection and what follows it before attention.
+pub struct QkvSpec<'l, B: Backend> {
+    /// q, k and v: three projections.
+    pub qkv: &'l B::Linear,
+    /// Per-head norms of q and of k, where the model has them.
+    pub q_norm: Option<&'l B::Norm>,
+    pub k_norm: Option<&'l B::Norm>,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub layer: usize,
 }
 
 /// A device's ops and its forms of the model's data.
@@ -163,6 +176,21 @@ pub trait Backend: Send + Sync + Sized + 'static {
         heads: usize,
         scale: f32,
     ) -> Result<Self::Rows>;
+    /// Attention's input of the `rows` rows of `x`: q, k and v through `spec.qkv`, q and k
+    /// normalised per head (where the model has those norms) and rotated at the step's
+    /// positions, k and v written into layer `spec.layer`'s cache. Returns q, `[rows, heads,
+    /// head_dim]`. The ops one by one unless a device does it in fewer launches.
+    fn attention_inputs(
+        &self,
+        spec: &QkvSpec<'_, Self>,
+        x: &Self::Rows,
+        rows: usize,
+        step: &Self::Step<'_>,
+        kv: &mut Self::Kv,
+    ) -> Result<Self::Rows> {
+        attention_inputs_op_by_op(self, spec, x, rows, step, kv)
+    }
+
     /// Rows `rows` of `x` (`width` wide), in that order: the step's logit rows
     /// ([`logit_rows`](super::batch::logit_rows) of its batch).
     fn select_rows(
@@ -181,4 +209,32 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn prefetch_gate_up(&self, _g: &Self::GateUp) {}
     /// Says that layer `layer`'s K/V rows for the step are written next.
     fn prefetch_kv(&self, _kv: &Self::Kv, _layer: usize, _step: &Self::Step<'_>) {}
+}
+
+/// [`Backend::attention_inputs`] one op at a time: the projections, the norms, the rotaries,
+/// the K/V write.
+pub fn attention_inputs_op_by_op<B: Backend>(
+    b: &B,
+    spec: &QkvSpec<'_, B>,
+    x: &B::Rows,
+    rows: usize,
+    step: &B::Step<'_>,
+    kv: &mut B::Kv,
+) -> Result<B::Rows> {
+    let qkv = timed(Part::Qkv, || b.project(spec.qkv, x, rows))?;
+    let [mut q, mut k, v]: [B::Rows; 3] = qkv
+        .try_into()
+        .map_err(|_| ModelError::InvalidBatch("q/k/v must be three projections".into()))?;
+    timed(Part::RotaryKvWrite, || {
+        if let Some(norm) = spec.q_norm {
+            b.norm_in_place(norm, &mut q)?;
+        }
+        if let Some(norm) = spec.k_norm {
+            b.norm_in_place(norm, &mut k)?;
+        }
+        b.rotary(step, &mut q, spec.heads)?;
+        b.rotary(step, &mut k, spec.kv_heads)?;
+        b.kv_write(kv, spec.layer, step, &k, &v)
+    })?;
+    Ok(q)
 }

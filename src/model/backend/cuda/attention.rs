@@ -1,13 +1,16 @@
-//! Attention over a step's tiles of tokens (`paged_attention_tiles_f16`, then
+//! Attention's inputs in one launch after the q/k/v projection (`qkv_rotary_write_f16`), and
+//! attention over a step's tiles of tokens (`paged_attention_tiles_f16`, then
 //! `attention_merge` where the context is split): how the tiles and splits are cut, and the
 //! launches.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::step::TILE_ROWS;
-use super::{device_err, int_count, launch, per_row, Cuda, DeviceRows, Step, NULL};
+use super::{device_err, int_count, launch, per_row, Cuda, DeviceNorm, DeviceRows, Step, NULL};
+use crate::model::backend::QkvSpec;
 use crate::model::error::Result;
 use crate::model::kv_cache::DeviceKv;
+use crate::model::timing::{timed, Part};
 
 /// Threads of a `paged_attention_tiles_f16` CTA (`PT_THREADS`).
 const TILE_THREADS: u32 = 128;
@@ -29,7 +32,89 @@ pub(super) fn context_splits(ctas: usize, multiprocessors: usize, longest: Optio
     wanted.min(most).max(1)
 }
 
+/// Warps (one a head) of a `qkv_rotary_write_f16` CTA.
+const QKV_WARPS: usize = 4;
+
 impl Cuda {
+    /// [`Backend::attention_inputs`] as one projection and one `qkv_rotary_write_f16`
+    /// launch, where q, k and v are stacked in one matrix, the head size is one the kernel
+    /// takes (a multiple of 32 up to 256; of 64 with neox rotary) and the norms are per head:
+    /// q; `None` elsewhere (the caller goes op by op).
+    pub(super) fn qkv_in_one_launch(
+        &self,
+        spec: &QkvSpec<'_, Self>,
+        x: &DeviceRows,
+        rows: usize,
+        step: &Step<'_>,
+        kv: &mut DeviceKv,
+    ) -> Result<Option<DeviceRows>> {
+        let hd = kv.head_dim;
+        let widths = [spec.heads * hd, spec.kv_heads * hd, spec.kv_heads * hd];
+        let [(matrix, bias, stacked)] = spec.qkv.groups.as_slice() else {
+            return Ok(None);
+        };
+        let per_head = |n: Option<&DeviceNorm>| n.is_none_or(|n| n.len == hd);
+        let fits = hd.is_multiple_of(32) && hd <= 256 && (!step.neox || hd.is_multiple_of(64));
+        if stacked[..] != widths || !fits || !per_head(spec.q_norm) || !per_head(spec.k_norm) {
+            return Ok(None);
+        }
+        let qkv = timed(Part::Qkv, || -> Result<DeviceRows> {
+            let mut y = matrix.multiply(self, x, rows)?;
+            if let Some(bias) = bias {
+                self.add_bias(&mut y, bias)?;
+            }
+            Ok(y)
+        })?;
+        let mut q = self.alloc(rows, widths[0])?;
+        let heads = rows * (spec.heads + 2 * spec.kv_heads);
+        if heads == 0 {
+            return Ok(Some(q));
+        }
+        let norm = |n: Option<&DeviceNorm>| n.map_or((NULL, 0.0), |n| (self.ptr(&n.weight), n.eps));
+        let ((qn, q_eps), (kn, k_eps)) = (norm(spec.q_norm), norm(spec.k_norm));
+        let (stride, neox) = (int_count(qkv.width)?, step.neox as i32);
+        let (tokens, h, kvh, hd_i, bs) = (
+            int_count(rows)?,
+            spec.heads as i32,
+            spec.kv_heads as i32,
+            hd as i32,
+            kv.block_size as i32,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (heads.div_ceil(QKV_WARPS) as u32, 1, 1),
+            block_dim: (32 * QKV_WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (kc, vc) = (&mut kv.k[spec.layer], &mut kv.v[spec.layer]);
+        timed(Part::RotaryKvWrite, || {
+            launch!(
+                self,
+                "qkv_rotary_write_f16",
+                cfg,
+                &qkv.buf,
+                &stride,
+                &qn,
+                &q_eps,
+                &kn,
+                &k_eps,
+                &step.positions,
+                &step.inv_freq,
+                &neox,
+                &step.token_block,
+                &step.token_slot,
+                &mut q.buf,
+                kc,
+                vc,
+                &tokens,
+                &h,
+                &kvh,
+                &hd_i,
+                &bs
+            )
+        })?;
+        Ok(Some(q))
+    }
+
     /// Causal attention of `q` (`[tokens, heads, head_dim]`) over layer `layer`'s cache into
     /// `out`, through the step's tiles `(first token of each, count)`.
     #[allow(clippy::too_many_arguments)]

@@ -25,7 +25,7 @@ use cudarc::driver::{
 };
 
 use super::Backend;
-use crate::model::backend::Pass;
+use crate::model::backend::{Pass, QkvSpec};
 use crate::model::config::RopeStyle;
 use crate::model::error::{ModelError, Result};
 use crate::model::kv_cache::{DeviceKv, KvCache, KvStore};
@@ -548,6 +548,20 @@ impl Backend for Cuda {
             &scale
         )?;
         Ok(out)
+    }
+
+    fn attention_inputs(
+        &self,
+        spec: &QkvSpec<'_, Self>,
+        x: &DeviceRows,
+        rows: usize,
+        step: &Step<'_>,
+        kv: &mut DeviceKv,
+    ) -> Result<DeviceRows> {
+        match self.qkv_in_one_launch(spec, x, rows, step, kv)? {
+            Some(q) => Ok(q),
+            None => super::attention_inputs_op_by_op(self, spec, x, rows, step, kv),
+        }
     }
 
     fn select_rows(
