@@ -174,14 +174,19 @@ pub enum Role {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MemorySettings {
-    /// MiB (fractions allowed) for the KV caches of all models together.
+    /// MiB (fractions allowed) for the KV caches of all models on CPUs together.
     pub kv_budget_mb: f64,
+    /// The fraction of a GPU's memory the models placed on it may take in all: their KV
+    /// caches get what is free of it once they are loaded, less the rest (vLLM's
+    /// `gpu_memory_utilization`).
+    pub gpu_memory_utilization: f64,
 }
 
 impl Default for MemorySettings {
     fn default() -> Self {
         Self {
             kv_budget_mb: 1024.0,
+            gpu_memory_utilization: 0.9,
         }
     }
 }
@@ -444,6 +449,12 @@ impl Config {
         }
         if self.memory.kv_budget_mb.is_nan() || self.memory.kv_budget_mb <= 0.0 {
             return Err("memory.kv_budget_mb must be a positive number of MiB".into());
+        }
+        let u = self.memory.gpu_memory_utilization;
+        if !(u > 0.0 && u <= 1.0) {
+            return Err(format!(
+                "memory.gpu_memory_utilization = {u}: give a fraction above 0, at most 1"
+            ));
         }
         let bs = self.kv_cache.block_size;
         if bs == 0 || bs > MAX_BLOCK_SIZE {

@@ -14,7 +14,7 @@ use super::remote::remote_model::RemoteModel;
 use super::request::{GenerateRequest, RequestHandle, RuntimeShared};
 use super::worker::{ModelWorker, Stepping, WorkerSetup, WorkerStats};
 use crate::config::{Config, SchedulingMode};
-use crate::model::{KvCache, LoadedModel, ModelError};
+use crate::model::{LoadedModel, ModelError};
 use crate::routing::ModelIndex;
 use crate::routing::{RoutingAlgorithm, RoutingError};
 use crate::scheduler::{DelayedBatching, LaunchPolicy, PublishedPrefixes, SchedulerLimits};
@@ -43,24 +43,6 @@ pub struct KvShare {
     pub bytes: usize,
 }
 
-/// The largest common token capacity whose caches all fit in `budget_bytes`, as blocks.
-pub fn split_kv_budget(
-    bytes_per_token: &[usize],
-    block_size: usize,
-    budget_bytes: usize,
-) -> Vec<KvShare> {
-    let per_token: usize = bytes_per_token.iter().sum();
-    let blocks = budget_bytes / (per_token * block_size).max(1);
-    bytes_per_token
-        .iter()
-        .map(|b| KvShare {
-            blocks,
-            tokens: blocks * block_size,
-            bytes: blocks * block_size * b,
-        })
-        .collect()
-}
-
 /// A running runtime: the model actors and what request actors need.
 pub struct Runtime {
     shared: Arc<RuntimeShared>,
@@ -68,11 +50,13 @@ pub struct Runtime {
     arbiters: Vec<Arbiter>,
 }
 
+mod kv_budget;
 mod placement;
 mod remotes;
 mod start;
 mod subserver;
 mod threads;
+pub use kv_budget::gpu_kv_budget;
 use remotes::{open_remotes, Remotes};
 pub use start::{load_model, load_models};
 pub use subserver::{run_subserver, SubserverArgs};

@@ -304,3 +304,24 @@ fn keep_alive_is_a_positive_number_of_seconds() {
         assert!(err.to_string().contains("keep_alive_s"), "{bad}: {err}");
     }
 }
+
+#[test]
+fn gpu_memory_utilization_is_a_fraction() {
+    let one =
+        |memory: &str| format!("[[models]]\nname = \"a\"\npath = \"x\"\n[memory]\n{memory}\n");
+    let config = load_str(&one("gpu_memory_utilization = 0.5")).unwrap();
+    assert_eq!(config.memory.gpu_memory_utilization, 0.5);
+    assert_eq!(
+        load_str(&one("")).unwrap().memory.gpu_memory_utilization,
+        0.9
+    );
+    for bad in ["0", "1.5", "-0.2", "nan"] {
+        let err = load_str(&one(&format!("gpu_memory_utilization = {bad}")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("memory.gpu_memory_utilization"),
+            "{bad}: {err}"
+        );
+    }
+}

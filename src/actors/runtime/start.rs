@@ -1,5 +1,6 @@
 //! Starting the runtime and talking to it.
 
+use super::kv_budget::kv_shares;
 use super::placement::{plan_devices, DevicePlan, ModelPlacement};
 use super::*;
 use crate::actors::executor::{Attach, DeviceExecutor};
@@ -287,26 +288,7 @@ pub(super) fn start_local(
     if models.len() > 1 {
         check_same_tokenizer(config, locals)?;
     }
-    let bytes: Vec<usize> = models
-        .iter()
-        .map(|m| KvCache::bytes_per_token(m.model.config(), config.kv_cache.dtype))
-        .collect();
     let block_size = config.kv_cache.block_size;
-    let kv = split_kv_budget(
-        &bytes,
-        block_size,
-        (config.memory.kv_budget_mb * (1 << 20) as f64) as usize,
-    );
-    if kv.first().is_some_and(|k| k.blocks == 0) {
-        return Err(RuntimeError::Config(format!(
-            "memory.kv_budget_mb = {} cannot hold one block of {block_size} tokens for every model; raise it",
-            config.memory.kv_budget_mb
-        )));
-    }
-    for (k, share) in kv.iter().enumerate() {
-        tracing::info!(model = %entry(k).name, blocks = share.blocks, tokens = share.tokens,
-            mib = share.bytes >> 20, "KV cache share");
-    }
     let s = &config.scheduler;
     let devices = start_devices(config, locals)?;
     let pools: Vec<Arc<ComputePool>> = (0..models.len())
@@ -330,6 +312,13 @@ pub(super) fn start_local(
             costs[locals[k].0] = Some(measured);
         }
         router.price(&costs);
+    }
+    // After the models have run: a GPU's KV caches take what its models leave free.
+    let shared: Vec<(usize, &LoadedModel)> = locals.iter().map(|(i, m)| (*i, m.as_ref())).collect();
+    let kv = kv_shares(config, &shared)?;
+    for (k, share) in kv.iter().enumerate() {
+        tracing::info!(model = %entry(k).name, blocks = share.blocks, tokens = share.tokens,
+            mib = share.bytes >> 20, "KV cache share");
     }
     let health: Vec<_> = models
         .iter()

@@ -105,15 +105,7 @@ pub fn run_subserver(
     }
     let (secret, tls) = args.auth().map_err(RuntimeError::Config)?;
     let model = load_model(&config, index, backend)?;
-    let share = split_kv_budget(
-        &[KvCache::bytes_per_token(
-            model.model.config(),
-            config.kv_cache.dtype,
-        )],
-        config.kv_cache.block_size,
-        (config.memory.kv_budget_mb * (1 << 20) as f64) as usize,
-    )
-    .remove(0);
+    let share = super::kv_budget::kv_shares(&config, &[(index, model.as_ref())])?.remove(0);
     let context = model.model.config().context_length;
     let welcome = RemoteFacts {
         facts: facts_of(&model),

@@ -211,8 +211,18 @@ impl Cuda {
         Ok(best)
     }
 
-    /// Free and total device memory, in bytes.
+    /// Free and total device memory, in bytes, after handing back to the driver what the
+    /// stream's memory pool keeps of freed memory (see [`keep_freed_memory`]).
     pub fn memory(&self) -> Result<(usize, usize)> {
+        use cudarc::driver::result;
+        self.synchronize()?;
+        // SAFETY: the pool is the device's own, alive as long as the context; trimming only
+        // releases memory no allocation holds.
+        unsafe {
+            let pool =
+                result::device::get_default_mem_pool(self.ctx.cu_device()).map_err(device_err)?;
+            result::mem_pool::trim_to(pool, 0).map_err(device_err)?;
+        }
         self.ctx.mem_get_info().map_err(device_err)
     }
 
