@@ -219,8 +219,13 @@ impl Cuda {
             }
             Ok(())
         })();
+        // A pass that failed leaves errors on the context (its frees on the invalidated
+        // capture), which would stop `end_capture` before it ends the capture and leave the
+        // stream capturing: they are taken first, and returned after.
+        let pending = self.ctx.check_err();
         let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
         captured?;
+        pending.map_err(device_err)?;
         let graph = graph
             .map_err(device_err)?
             .ok_or_else(|| ModelError::Device("the recorded pass launched nothing".into()))?;
