@@ -19,6 +19,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #define __global__
@@ -81,13 +83,21 @@ static inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned 
 
 namespace emu {
 enum { RUN, WAIT_BLOCK, WAIT_WARP, DONE };
+// A fiber starts through its ucontext (makecontext gives it its stack) and then switches
+// with GCC's __builtin_setjmp/__builtin_longjmp, which save and restore only the frame, stack
+// and resume addresses (the setjmp's caller keeps every other register in its frame), unlike
+// swapcontext (a system call for the signal mask) or longjmp (unwinding checks).
+typedef void* JmpBuf[5];
 struct Fiber {
     ucontext_t ctx;
+    JmpBuf jb;
+    bool started;
     int state;
 };
 static std::vector<Fiber> fibers;
 static std::vector<char*> stacks;
 static ucontext_t sched;
+static JmpBuf sched_jb;
 static int cur = -1;
 static std::function<void()> body;  // the running launch's kernel call
 static unsigned long long slots[32][32];  // shuffle values, [warp][lane]
@@ -98,27 +108,42 @@ static void fail(const char* m) {
     fflush(stderr);
     abort();
 }
+// A fiber runs the kernel for its thread of each block in turn: ended, it waits for the next
+// block, so fibers (and their stacks) are made once.
+// __builtin_longjmp must not be called by a function that calls __builtin_setjmp.
+__attribute__((noinline)) static void jump(JmpBuf b) { __builtin_longjmp(b, 1); }
 static void trampoline() {
-    body();
-    fibers[cur].state = DONE;
-    swapcontext(&fibers[cur].ctx, &sched);
+    for (;;) {
+        body();
+        fibers[cur].state = DONE;
+        if (!__builtin_setjmp(fibers[cur].jb)) jump(sched_jb);
+    }
 }
-static void wait(int st) {
+__attribute__((noinline)) static void wait(int st) {
     fibers[cur].state = st;
-    swapcontext(&fibers[cur].ctx, &sched);
+    if (!__builtin_setjmp(fibers[cur].jb)) jump(sched_jb);
+}
+// Runs fiber `i` until it waits or ends.
+__attribute__((noinline)) static void resume(int i) {
+    if (__builtin_setjmp(sched_jb)) return;
+    if (fibers[i].started) jump(fibers[i].jb);
+    fibers[i].started = true;
+    swapcontext(&sched, &fibers[i].ctx);
 }
 
 static void run_block(int nthreads) {
-    fibers.resize(nthreads);
-    while ((int)stacks.size() < nthreads) stacks.push_back((char*)malloc(STACK));
-    for (int i = 0; i < nthreads; i++) {
+    fibers.reserve(1024);  // never moved: a ucontext points into itself
+    for (int i = (int)fibers.size(); i < nthreads; i++) {
+        fibers.emplace_back();
+        stacks.push_back((char*)malloc(STACK));
         getcontext(&fibers[i].ctx);
         fibers[i].ctx.uc_stack.ss_sp = stacks[i];
         fibers[i].ctx.uc_stack.ss_size = STACK;
         fibers[i].ctx.uc_link = nullptr;
         makecontext(&fibers[i].ctx, trampoline, 0);
-        fibers[i].state = RUN;
+        fibers[i].started = false;
     }
+    for (int i = 0; i < nthreads; i++) fibers[i].state = RUN;
     const int nwarps = nthreads / 32;
     for (;;) {
         bool progress = false;
@@ -126,7 +151,7 @@ static void run_block(int nthreads) {
             if (fibers[i].state == RUN) {
                 cur = i;
                 threadIdx = {(unsigned)i, 0, 0};
-                swapcontext(&sched, &fibers[i].ctx);
+                resume(i);
                 progress = true;
             }
         }
@@ -206,15 +231,39 @@ static inline T __shfl_sync(unsigned m, T v, int s) {
     return emu_shfl(m, v, s);
 }
 
+// A launch bound to its kernel and its arguments, copied as cuLaunchKernel reads them
+// (`params[i]` points at argument i): what the emulated driver (driver.cpp) runs at once, or
+// keeps in a graph to run at every replay.
+struct EmuCall {
+    virtual void run(int gx, int gy, int gz, int block) = 0;
+    virtual ~EmuCall() {}
+};
+
 // EMU_EXPORT(kernel) exports `void* L_kernel`, the address of a host function
 // void(int grid_x, int grid_y, int grid_z, int block, <the kernel's arguments>) that runs
-// the launch.
+// the launch, and `void* C_kernel`, the address of EmuCall* (void** params) that binds one.
 template <class K> struct Launcher;
 template <class... A> struct Launcher<void (*)(A...)> {
     template <void (*K)(A...)>
     static void run(int gx, int gy, int gz, int block, A... a) {
         emu::launch(gx, gy, gz, block, [&]() { K(a...); });
     }
+    template <void (*K)(A...)>
+    struct Call : EmuCall {
+        std::tuple<A...> args;
+        template <size_t... I>
+        Call(void** p, std::index_sequence<I...>) : args(*static_cast<A*>(p[I])...) {}
+        void run(int gx, int gy, int gz, int block) override {
+            emu::launch(gx, gy, gz, block, [&]() { std::apply(K, args); });
+        }
+    };
+    template <void (*K)(A...)>
+    static EmuCall* bind(void** params) {
+        return new Call<K>(params, std::index_sequence_for<A...>{});
+    }
 };
-#define EMU_EXPORT(name) \
-    extern "C" { void* L_##name = (void*)&Launcher<decltype(&name)>::template run<&name>; }
+#define EMU_EXPORT(name)                                                            \
+    extern "C" {                                                                     \
+    void* L_##name = (void*)&Launcher<decltype(&name)>::template run<&name>;       \
+    void* C_##name = (void*)&Launcher<decltype(&name)>::template bind<&name>;      \
+    }
