@@ -5,7 +5,8 @@
 //! follow the CPU's greedy tokens, so every step compares logits at the same context. Decode
 //! steps replay CUDA graphs (recorded at the second step of a batch size), and run launch by
 //! launch once more. The K-quant cases (head size 64) run the q/k/v post-processing in one
-//! kernel, the others (16) op by op. Needs a GPU (`scripts/gpu-check.sh` runs it).
+//! kernel, the others (16) op by op. Runs on a GPU (`scripts/gpu-check.sh`), or on the CPU
+//! through the emulated driver of `tests/cuda_emu` (`scripts/test.sh`; its README says how).
 
 use candle_core::quantized::GgmlDType;
 use candle_core::DType;
@@ -113,6 +114,7 @@ fn compare(cpu: &Steps, gpu: &Steps, what: &str) -> Result<(), String> {
 
 /// Every disagreement of one model file's case, so one run on a GPU reports all of them.
 fn check(dir: &std::path::Path, what: &str) -> Vec<String> {
+    use_kernel_cache();
     let cpu = LoadedModel::load_on(dir, ComputeTarget::Cpu(MatmulBackend::Native)).unwrap();
     let gpu = match LoadedModel::load_on(dir, ComputeTarget::Cuda(0)) {
         Ok(gpu) => gpu,
@@ -131,6 +133,13 @@ fn check(dir: &std::path::Path, what: &str) -> Vec<String> {
         .into_iter()
         .collect();
     // The decode steps above replay CUDA graphs from the third on; launch by launch too.
+    let replays = gpu.model.cuda_graph_replays();
+    if replays != DECODE_STEPS as u64 - 1 {
+        failures.push(format!(
+            "{what}, batched: {replays} of {DECODE_STEPS} decode steps replayed a CUDA graph, \
+             not all but the first"
+        ));
+    }
     gpu.model.set_cuda_graphs(false);
     failures.extend(
         run(&gpu.model, &prompts, Some(&cpu_tokens))
@@ -138,6 +147,11 @@ fn check(dir: &std::path::Path, what: &str) -> Vec<String> {
             .and_then(|(steps, _)| compare(&cpu_steps, &steps, &format!("{what}, batched, eager")))
             .err(),
     );
+    if gpu.model.cuda_graph_replays() != replays {
+        failures.push(format!(
+            "{what}, batched, eager: a decode step replayed a CUDA graph"
+        ));
+    }
     gpu.model.set_cuda_graphs(true);
     for (s, prompt) in prompts.iter().enumerate() {
         let one = std::slice::from_ref(prompt);
@@ -152,6 +166,25 @@ fn check(dir: &std::path::Path, what: &str) -> Vec<String> {
         );
     }
     failures
+}
+
+/// [`check`], printing the case's verdict and time as it ends.
+fn timed(dir: &std::path::Path, what: &str) -> Vec<String> {
+    let started = std::time::Instant::now();
+    let failures = check(dir, what);
+    let verdict = if failures.is_empty() { "ok" } else { "FAILED" };
+    eprintln!(
+        "{what}: {verdict} ({:.1} s)",
+        started.elapsed().as_secs_f64()
+    );
+    failures
+}
+
+/// Each model opens the device, which compiles every kernel file unless it finds it cached:
+/// compiled once for all of them, and kept for the next run (keyed by source and NVRTC).
+fn use_kernel_cache() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kernel-cache");
+    tokenrouter::kernels::cuda::set_cache_dir(dir);
 }
 
 #[test]
@@ -177,13 +210,13 @@ fn gpu_logits_and_greedy_tokens_match_the_cpu() {
         ] {
             let path = tmp.path().join(format!("{arch:?}-{dtype:?}.gguf"));
             write_gguf(&spec, &path, &[dtype]).unwrap();
-            failures.extend(check(&path, &format!("{arch:?} {dtype:?}")));
+            failures.extend(timed(&path, &format!("{arch:?} {dtype:?}")));
             cases += 1;
         }
         for dtype in [DType::BF16, DType::F16] {
             let dir = tmp.path().join(format!("{arch:?}-{dtype:?}-hf"));
             write_hf_dir(&TinySpec::new(arch), &dir, dtype).unwrap();
-            failures.extend(check(&dir, &format!("{arch:?} safetensors {dtype:?}")));
+            failures.extend(timed(&dir, &format!("{arch:?} safetensors {dtype:?}")));
             cases += 1;
         }
     }
@@ -206,6 +239,7 @@ fn a_cpu_cache_is_refused_by_a_gpu_model() {
         &[GgmlDType::Q8_0],
     )
     .unwrap();
+    use_kernel_cache();
     let gpu = LoadedModel::load_on(&path, ComputeTarget::Cuda(0)).unwrap();
     let mut kv =
         tokenrouter::model::KvCache::with_capacity(gpu.model.config(), 16, 64, KvDtype::F16)

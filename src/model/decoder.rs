@@ -145,6 +145,15 @@ impl Model {
         }
     }
 
+    /// How many decode steps a GPU model has run from its CUDA graphs (always 0 on the CPU).
+    pub fn cuda_graph_replays(&self) -> u64 {
+        match &self.inner {
+            Inner::Cpu(_) => 0,
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(d) => d.backend.replays(),
+        }
+    }
+
     /// Whether the model runs on a GPU.
     pub fn on_gpu(&self) -> bool {
         !matches!(self.inner, Inner::Cpu(_))

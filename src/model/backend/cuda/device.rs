@@ -114,6 +114,7 @@ impl Cuda {
             multiprocessors,
             recordings: Mutex::default(),
             eager: Default::default(),
+            replays: Default::default(),
         })
     }
 

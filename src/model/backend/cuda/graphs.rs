@@ -90,6 +90,11 @@ impl Cuda {
         self.eager.store(!on, Ordering::Relaxed);
     }
 
+    /// How many decode steps ran from a recording so far.
+    pub fn replays(&self) -> u64 {
+        self.replays.load(Ordering::Relaxed)
+    }
+
     /// [`Backend::run_pass`]: a replayable pass from its batch size's recording, others
     /// (and every pass while the per-kernel breakdown times launches) eagerly.
     pub(super) fn run_recorded<'a, F>(
@@ -139,7 +144,7 @@ impl Cuda {
         let step = Step::at(self.ptr(&slot.words), &layout, None, neox, true);
         match std::mem::replace(&mut slot.state, State::Eager) {
             State::Recorded(graph, outputs) => {
-                let replayed = graph.0.launch().map_err(device_err);
+                let replayed = self.replay(&graph);
                 let out = replayed.and_then(|()| outputs.iter().map(|o| self.read(o)).collect());
                 slot.state = State::Recorded(graph, outputs);
                 out
@@ -158,7 +163,7 @@ impl Cuda {
                     .record(&step, kv, &mut launch, &shapes)
                     .and_then(|(graph, outputs)| {
                         // The first launch maps the graph's memory: where that fails, eagerly.
-                        graph.0.launch().map_err(device_err)?;
+                        self.replay(&graph)?;
                         Ok((graph, outputs))
                     }) {
                     Ok((graph, outputs)) => {
@@ -230,6 +235,13 @@ impl Cuda {
             .map_err(device_err)?
             .ok_or_else(|| ModelError::Device("the recorded pass launched nothing".into()))?;
         Ok((Graph(graph), outputs))
+    }
+
+    /// Launches `graph`, counted.
+    fn replay(&self, graph: &Graph) -> Result<()> {
+        graph.0.launch().map_err(device_err)?;
+        self.replays.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Row sets in host memory, in order.

@@ -52,6 +52,8 @@ pub struct Cuda {
     recordings: Mutex<graphs::Recordings>,
     /// Every pass runs launch by launch (no recordings).
     eager: AtomicBool,
+    /// Decode steps run from a recording so far.
+    replays: std::sync::atomic::AtomicU64,
 }
 
 /// `f32` activations on the device: `rows` rows of `width`.
