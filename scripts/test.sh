@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need on a fresh machine, fetches the default
 # models, then runs `cargo test`, and, with no arguments, the CUDA kernels' checks that need
-# no GPU: every kernel compiled by NVRTC for sm_80 and sm_90 (`--features cuda`), and every
-# kernel run on the CPU emulator against independent references; then each fuzz target for
+# no GPU: every kernel compiled by NVRTC for sm_80 and sm_90 (`--features cuda`), every
+# kernel run on the CPU emulator against independent references, and the CUDA backend's
+# parity test on the emulated driver (tests/cuda_emu/driver.cpp); then each fuzz target for
 # 30 s (scripts/fuzz.sh). Extra arguments go to
 # `cargo test` alone, e.g.
 #
@@ -54,6 +55,9 @@ python3 -c "import numpy, gguf" 2>/dev/null || pip_install numpy==2.4.6 gguf==0.
 nvrtc_lib=$(nvrtc_lib)
 LD_LIBRARY_PATH="$nvrtc_lib:${LD_LIBRARY_PATH:-}" cargo test --features cuda --test cuda_kernels 2>&1
 python3 tests/cuda_emu/run.py
+# The CUDA backend against the CPU on tiny models, on the emulated driver run.py built.
+LD_LIBRARY_PATH="$PWD/target/cuda_emu/driver:$nvrtc_lib:${LD_LIBRARY_PATH:-}" \
+  cargo test --features cuda --test cuda_parity 2>&1
 
 # Coverage-guided fuzzing, 30 s a target (longer runs: scripts/fuzz.sh 3600).
 scripts/fuzz.sh 30

@@ -32,8 +32,8 @@ KERNELS = {
     "sampling.cu": ["row_softmax_stats"],
 }
 
-CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-shared", "-Wall", "-Wno-unknown-pragmas",
-            "-Wno-unused-variable", "-Wno-unused-function"]
+CXXFLAGS = ["-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-fPIC", "-shared", "-Wall",
+            "-Wno-unknown-pragmas", "-Wno-unused-variable", "-Wno-unused-function"]
 
 # The prelude's two inline PTX instructions, and their host stand-ins.
 PTX_HOST = {
@@ -89,6 +89,27 @@ def build(fname, build_dir=DEFAULT_BUILD_DIR):
     return so, r.stderr.strip()
 
 
+def build_driver(build_dir=DEFAULT_BUILD_DIR):
+    """Compiles the emulated driver and cuBLASLt (driver.cpp, cublaslt.cpp) into
+    `build_dir`/driver/ as libcuda.so and libcublasLt.so: with that folder on LD_LIBRARY_PATH
+    (and NVRTC's), the CUDA backend runs on the kernel libraries of `build_dir`, which must be
+    built first. Returns the folder."""
+    out = os.path.join(build_dir, "driver")
+    os.makedirs(out, exist_ok=True)
+    for src, lib, extra in [
+        ("driver.cpp", "libcuda.so", ["-ldl"]),
+        ("cublaslt.cpp", "libcublasLt.so", [f"-L{out}", "-lcuda", "-Wl,-rpath,$ORIGIN"]),
+    ]:
+        tmp = os.path.join(out, f"{lib}.tmp{os.getpid()}")
+        cmd = ["g++", *CXXFLAGS, "-O2", f"-Wl,-soname,{lib}", "-o", tmp,
+               os.path.join(HERE, src), *extra]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"g++ failed on {src}:\n{r.stderr[:4000]}")
+        os.replace(tmp, os.path.join(out, lib))
+    return out
+
+
 def main():
     build_dir = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_BUILD_DIR
     bad = False
@@ -101,6 +122,11 @@ def main():
         except BuildError as e:
             print(f"FAIL build {fname}: {e}")
             bad = True
+    try:
+        print(f"built the emulated driver -> {build_driver(build_dir)}")
+    except BuildError as e:
+        print(f"FAIL build driver: {e}")
+        bad = True
     sys.exit(1 if bad else 0)
 
 

@@ -52,6 +52,17 @@ def build_one(fname, build_dir):
     return True, lines
 
 
+def build_driver(build_dir):
+    """(ok, lines to print) for the emulated driver and cuBLASLt, which the Rust test
+    cuda_parity runs on (scripts/test.sh)."""
+    start = time.time()
+    try:
+        out = build.build_driver(build_dir)
+    except (build.BuildError, OSError) as e:
+        return False, ["FAIL build driver", *str(e).splitlines()]
+    return True, [f"ok   build driver -> {out} ({time.time() - start:.1f}s)"]
+
+
 def run_test(path, build_dir):
     """(returncode, stdout, stderr, seconds) of one test file."""
     env = dict(os.environ, CUDA_EMU_BUILD_DIR=build_dir, PYTHONDONTWRITEBYTECODE="1")
@@ -88,6 +99,7 @@ def main():
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         # Every kernel file, once.
         builds = [pool.submit(build_one, f, build_dir) for f in build.KERNELS]
+        builds.append(pool.submit(build_driver, build_dir))
         for fut in builds:
             ok, lines = fut.result()
             print("\n".join(lines), flush=True)
